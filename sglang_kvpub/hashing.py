@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 import xxhash
 
-__all__ = ["BASE_SEED", "lora_seed", "local_block_hash", "local_block_hashes", "chain_hashes", "chain_next", "sequence_keys"]
+__all__ = [
+    "BASE_SEED",
+    "chain_hashes",
+    "chain_next",
+    "local_block_hash",
+    "local_block_hashes",
+    "lora_seed",
+    "sequence_keys",
+]
 
 BASE_SEED = 1337
 _U64 = (1 << 64) - 1

@@ -351,7 +351,7 @@ def _array_fields(tag: str, raw: Any) -> dict[str, Any]:
         return {"block_hashes": values[0] if values else None, "medium": values[1] if len(values) > 1 else None}
     if kind != "stored":
         return {}
-    fields: dict[str, Any] = dict(zip(_STORED_POSITIONS, values))
+    fields: dict[str, Any] = dict(zip(_STORED_POSITIONS, values, strict=False))
     if len(values) > 6:
         extra = values[6]
         if isinstance(extra, dict):
