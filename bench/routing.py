@@ -1,0 +1,622 @@
+"""Routing quality on the public Mooncake traces: a discrete-event simulation of P prefill instances x R DP ranks.
+
+    python bench/routing.py [--trace FILE] [--instances 2] [--ranks 16] [--capacity-pages 4096] [--load 0.6]
+                            [--limit N] [--policies a,b,...] [--seed 0] [--out-dir bench/results]
+
+Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "hit_ratio", "prefill_tokens",
+"ttft_p50_s", "ttft_p90_s", ...}`), writes them to bench/results/routing_<trace>.jsonl and draws
+bench/results/routing_<trace>.png (skipped with a note on stderr when matplotlib is not installed).
+`hit_ceiling` (every line) is the hit ratio of one unlimited cache shared by all ranks: no placement beats it.
+
+Model (every choice below is a documented default, overridable on the command line):
+- Workload: each trace record is one prefill request of `input_length` tokens whose `hash_ids` are 512-token
+  blocks. Block i (id b) is split into 4 pages of 128 tokens; page j of block i gets the prefix-chained key
+  hash((key of the previous page, b, j)), so two prompts share page keys exactly as long as they share their
+  prefix. Only full pages are cached (SGLang caches whole pages).
+- Cluster: P instances x R ranks, each rank a `RankCache` (sglang_kvpub/sim_cache.py: finite capacity in pages, LRU
+  eviction of unreferenced leaves) and a FIFO single-server queue. Default capacity 4096 pages (512k tokens) per
+  rank: 2 x 16 x 4096 = 131k pages, about 18% of the conversation trace's 731k distinct pages, so the working
+  set does not fit and eviction matters.
+- Prefill time = uncached tokens / rank throughput. Default throughput 5000/7 = 714 tokens/s per rank, from the
+  report: a ~5k-token prompt took ~9 s end to end cold and ~2 s hot, i.e. ~7 s is the prefill of ~5k uncached
+  tokens (the ~2 s floor is outside prefill and the same for every policy, so it is left out). TTFT = queue
+  wait + prefill time. A rank's cache is read when the request starts (all earlier requests on that rank have
+  finished and inserted their pages), and the request's pages are inserted when its prefill finishes - which
+  is also when the engine publishes BlockStored, so routers see a page from that moment on.
+- Load: `--load` is the offered load as a fraction of the aggregate prefill capacity P*R*throughput, counting
+  every prompt token as uncached (a cold cluster). Trace timestamps are scaled by one factor to reach it; hits
+  lower the effective load, so a good policy also queues less. Default 0.6: at the default throughput the
+  conversation trace's real timestamps are a load of 0.57.
+- Load signal seen by the policies, in tokens queued: the prefill tokens still to compute on a rank, as the
+  engine reports it (SGLang's per-rank load figures) - the uncached tokens of its waiting requests (matched
+  against the rank's cache when they were enqueued) plus the remainder of the running prefill. An instance's
+  load is the sum over its ranks. The same signal for every policy.
+
+Policies (each on a fresh cluster, same arrivals):
+- round_robin: instance round-robin, rank round-robin inside (SGLang's default DP dispatch).
+- load_balance: least-loaded instance, rank round-robin inside.
+- dp0_only: the report's bug. The router sees only rank 0's cache of each instance and scores instances with
+  Motor's unified cost on that hit (no hit anywhere = pure load ranking); rank round-robin inside.
+- instance_affinity: the upstream fix (fold_engine_dps). Instance by Motor's unified cost on the longest hit
+  over its ranks (fold) and the instance load; rank round-robin inside.
+- fold_pinned: ours. Motor's unified cost per (instance, rank): prefill_load_scale * max(0, isl -
+  overlap_credit * matched_rank) + load_weight * load_rank; the request is pinned to the best rank
+  (routed_dp_rank). No extra hot-spot guard by default: the cost already bounds the chosen rank's excess load
+  over the least-loaded rank by its matched tokens. `--hotspot-tokens T` adds one anyway (if the chosen rank's
+  load exceeds the least-loaded rank's by more than T tokens, take the cheapest rank among those within T).
+- fold_pinned_dispatch: issue 9. The router picks the instance as instance_affinity does (no rank pinning);
+  inside the instance, the cache-aware DP dispatch sends the request to its rank of lowest unified cost
+  (fan-in index + rank loads). Its JSON line also reports the ratios against instance_affinity, the same
+  router with SGLang's round-robin dispatch.
+- oracle: perfect knowledge, no lookahead into future arrivals. At dispatch it knows, for every rank, (a) the
+  exact prefix it will hold when this request starts there: its cache now plus the pages of every request
+  already queued or running on it (inserted before this one starts; evictions in between ignored), and
+  (b) the exact wait: when that rank's queue empties, from the true uncached tokens of those requests.
+  It picks the rank of least exact TTFT: max(0, isl - future hit) + wait in tokens (Motor's unified cost
+  with exact inputs), ties rotating. It is the per-request best a scheduler can do; the routers' policies
+  see only published (finished) pages and the engine-reported loads.
+- oracle_max_prefix (diagnostic, only if named in --policies): the same knowledge, longest future prefix
+  first, ties by least wait - the literal "max cached prefix" rule. It collapses: every conversation-trace
+  prompt starts with the same block, so the first rank that holds it wins every request after (one rank
+  serves the whole trace, hit ratio below round robin, queues of days). Hence the oracle above.
+
+Motor's cost constants are fixed to its defaults: overlap_credit = prefill_load_scale = load_weight = 1,
+w_npu = 1 (only HBM is modelled), block_size (page) = 128; matched = min(pages * 128, isl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+if str(_HERE) not in sys.path:  # bench/ is a folder of scripts, not a package
+    sys.path.insert(0, str(_HERE))
+
+from sglang_kvpub.sim_cache import RankCache  # noqa: E402
+
+TRACE_BLOCK_TOKENS = 512
+PAGE_SIZE = 128
+DEFAULT_TOKENS_PER_S = 5000.0 / 7.0
+DEFAULT_CAPACITY_PAGES = 4096
+OVERLAP_CREDIT = 1.0
+PREFILL_LOAD_SCALE = 1.0
+LOAD_WEIGHT = 1.0
+ALL_POLICIES = (
+    "round_robin",
+    "load_balance",
+    "dp0_only",
+    "instance_affinity",
+    "fold_pinned",
+    "fold_pinned_dispatch",
+    "oracle",
+)
+EXTRA_POLICIES = ("oracle_max_prefix",)  # diagnostics, only when named in --policies
+REPO_ROOT = _HERE.parent
+DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+
+
+# ------------------------------------------------------------------------------------------ workload
+@dataclass(frozen=True)
+class Request:
+    arrival_s: float
+    isl: int
+    keys: tuple[int, ...]  # prefix-chained page keys of the full pages
+
+
+def page_keys(hash_ids: Sequence[int], input_length: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
+    """Chained page keys of a Mooncake record: page j of block b keyed by hash((previous key, b, j))."""
+    per_block = TRACE_BLOCK_TOKENS // page_size
+    n_pages = input_length // page_size
+    keys: list[int] = []
+    key = 0
+    for i in range(n_pages):
+        block = hash_ids[i // per_block] if i // per_block < len(hash_ids) else -1 - i
+        key = hash((key, block, i % per_block))  # tuples of ints hash deterministically across runs
+        keys.append(key)
+    return tuple(keys)
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
+    """Records of a Mooncake jsonl trace (timestamp ms, input_length, output_length, hash_ids)."""
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace not found: {path} (the Mooncake traces live in ../shared/data/mooncake/ next to the repo; "
+            "pass --trace FILE)"
+        )
+    records: list[dict[str, Any]] = []
+    with path.open() as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            records.append(json.loads(line))
+            if limit is not None and len(records) >= limit:
+                break
+    if not records:
+        raise ValueError(f"trace {path} has no records")
+    return records
+
+
+def build_requests(
+    records: Sequence[dict[str, Any]], capacity_tokens_per_s: float, load: float, page_size: int = PAGE_SIZE
+) -> tuple[list[Request], float]:
+    """Requests with arrivals scaled so the cold offered load is `load` x capacity; returns (requests, scale)."""
+    t0 = min(r["timestamp"] for r in records) / 1000.0
+    span = max(r["timestamp"] for r in records) / 1000.0 - t0
+    total_tokens = sum(int(r["input_length"]) for r in records)
+    target_span = total_tokens / (load * capacity_tokens_per_s)
+    scale = target_span / span if span > 0 else 1.0
+    reqs = [
+        Request(
+            arrival_s=(r["timestamp"] / 1000.0 - t0) * scale,
+            isl=int(r["input_length"]),
+            keys=page_keys(r["hash_ids"], int(r["input_length"]), page_size),
+        )
+        for r in records
+    ]
+    reqs.sort(key=lambda q: q.arrival_s)  # stable: trace order kept for equal timestamps
+    return reqs, scale
+
+
+def hit_ceiling(requests: Sequence[Request], page_size: int = PAGE_SIZE) -> float:
+    """Hit ratio of one shared cache of unlimited size, pages visible from arrival: no placement beats it."""
+    seen: set[int] = set()
+    cached = total = 0
+    for req in requests:
+        n = 0
+        for key in req.keys:
+            if key not in seen:
+                break
+            n += 1
+        cached += min(n * page_size, req.isl)
+        total += req.isl
+        seen.update(req.keys)
+    return cached / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------------ cluster
+@dataclass
+class Rank:
+    cache: RankCache
+    queue: deque[tuple[Request, int]] = field(default_factory=deque)  # (request, uncached tokens at enqueue)
+    busy: bool = False
+    queued_tokens: int = 0  # uncached tokens of requests waiting (not yet started), as matched at enqueue
+    run_finish: float = 0.0  # finish time of the running (or last) prefill
+    pending: dict[int, int] = field(default_factory=dict)  # page key -> unfinished requests carrying it (oracle)
+    free_at: float = 0.0  # projected time the queue is empty, from oracle-knowledge matches (oracle)
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    per_rank: list[int] = field(default_factory=list)
+    evicted_pages: int = 0
+
+
+class Cluster:
+    """P x R ranks with caches and FIFO queues; a policy picks the rank of each arrival."""
+
+    def __init__(self, instances: int, ranks: int, capacity_pages: int, page_size: int, tokens_per_s: float) -> None:
+        self.n_inst = instances
+        self.n_ranks = ranks
+        self.page_size = page_size
+        self.tokens_per_s = tokens_per_s
+        self.ranks = [Rank(RankCache(capacity_pages, page_size)) for _ in range(instances * ranks)]
+        self.events: list[tuple[float, int, int, Request]] = []  # (finish time, seq, flat rank, request)
+        self._seq = 0
+        self.now = 0.0
+        self.stats = Stats(per_rank=[0] * (instances * ranks))
+        self.track_pending = False  # oracle bookkeeping, off for the other policies (it costs time)
+
+    # ----- what routers may observe
+    def matched_tokens(self, flat: int, req: Request) -> int:
+        """Published-cache hit of `req` on a rank, in tokens, capped at isl (Motor's matched)."""
+        return min(self.ranks[flat].cache.match(req.keys) * self.page_size, req.isl)
+
+    def rank_load(self, flat: int) -> float:
+        """Prefill tokens still to compute on the rank, as the engine reports it: waiting requests' uncached
+        tokens plus the remainder of the running prefill."""
+        rank = self.ranks[flat]
+        running = rank.run_finish - self.now
+        return rank.queued_tokens + (running * self.tokens_per_s if running > 0 else 0.0)
+
+    def instance_load(self, inst: int) -> float:
+        base = inst * self.n_ranks
+        return sum(self.rank_load(f) for f in range(base, base + self.n_ranks))
+
+    def future_matched_tokens(self, flat: int, req: Request) -> int:
+        """Oracle knowledge: the hit when `req` would start on this rank - cached pages plus the pages of every
+        request queued or running there (they are inserted before it starts; evictions in between ignored)."""
+        rank = self.ranks[flat]
+        cache, pend = rank.cache, rank.pending
+        n = 0
+        for key in req.keys:
+            if key not in cache and key not in pend:
+                break
+            n += 1
+        return min(n * self.page_size, req.isl)
+
+    def oracle_wait_s(self, flat: int) -> float:
+        """Oracle knowledge: how long a request dispatched now would wait on the rank."""
+        return max(0.0, self.ranks[flat].free_at - self.now)
+
+    # ----- simulation
+    def advance(self, t: float) -> None:
+        """Process every prefill that finishes at or before t, then set the clock to t."""
+        events = self.events
+        while events and events[0][0] <= t:
+            finish, _, flat, req = heapq.heappop(events)
+            self.now = finish
+            self._finish(flat, req)
+        self.now = t
+
+    def dispatch(self, req: Request, flat: int) -> None:
+        rank = self.ranks[flat]
+        uncached = req.isl - self.matched_tokens(flat, req)
+        if self.track_pending:
+            true_uncached = req.isl - self.future_matched_tokens(flat, req)
+            rank.free_at = max(rank.free_at, self.now) + true_uncached / self.tokens_per_s
+            pend = rank.pending
+            for key in req.keys:
+                pend[key] = pend.get(key, 0) + 1
+        rank.queue.append((req, uncached))
+        rank.queued_tokens += uncached
+        self.stats.per_rank[flat] += 1
+        if not rank.busy:
+            self._start(flat, self.now)
+
+    def drain(self) -> None:
+        self.advance(float("inf"))
+
+    def _start(self, flat: int, t: float) -> None:
+        rank = self.ranks[flat]
+        req, enqueued = rank.queue[0]
+        rank.queued_tokens -= enqueued
+        rank.busy = True
+        cached = min(rank.cache.match(req.keys, touch=True) * self.page_size, req.isl)
+        finish = t + (req.isl - cached) / self.tokens_per_s
+        rank.run_finish = finish
+        st = self.stats
+        st.prompt_tokens += req.isl
+        st.cached_tokens += cached
+        st.ttfts.append(finish - req.arrival_s)
+        self._seq += 1
+        heapq.heappush(self.events, (finish, self._seq, flat, req))
+
+    def _finish(self, flat: int, req: Request) -> None:
+        rank = self.ranks[flat]
+        rank.queue.popleft()
+        res = rank.cache.insert(req.keys)  # the engine publishes BlockStored now
+        self.stats.evicted_pages += len(res.evicted)
+        if self.track_pending:
+            pend = rank.pending
+            for key in req.keys:
+                left = pend[key] - 1
+                if left:
+                    pend[key] = left
+                else:
+                    del pend[key]
+        rank.busy = False
+        if rank.queue:
+            self._start(flat, self.now)
+
+
+# ------------------------------------------------------------------------------------------ policies
+Policy = Callable[[Cluster, Request], int]  # -> flat rank index (instance * ranks + rank)
+
+
+def unified_cost(isl: int, matched: int, load: float) -> float:
+    """Motor's kv_cache_affinity unified score (lower wins)."""
+    prefill_cost = max(0.0, isl - OVERLAP_CREDIT * matched)
+    return PREFILL_LOAD_SCALE * prefill_cost + LOAD_WEIGHT * load
+
+
+class Router:
+    """Holds the round-robin counters and tie-break rotation of one run; `policy(name)` returns a Policy."""
+
+    def __init__(self, instances: int, ranks: int, hotspot_tokens: float | None = None, seed: int = 0) -> None:
+        self.n_inst = instances
+        self.n_ranks = ranks
+        self.hotspot_tokens = hotspot_tokens
+        self._inst_rr = seed % instances
+        self._rank_rr = [seed % ranks] * instances
+        self._tick = seed  # rotates tie-breaks so equal scores do not always favour index 0
+
+    def policy(self, name: str) -> Policy:
+        table: dict[str, Policy] = {
+            "round_robin": self.round_robin,
+            "load_balance": self.load_balance,
+            "dp0_only": self.dp0_only,
+            "instance_affinity": self.instance_affinity,
+            "fold_pinned": self.fold_pinned,
+            "fold_pinned_dispatch": self.fold_pinned_dispatch,
+            "oracle": self.oracle,
+            "oracle_max_prefix": self.oracle_max_prefix,
+        }
+        if name not in table:
+            raise ValueError(f"unknown policy {name!r}; choose from {', '.join(table)}")
+        return table[name]
+
+    # ----- helpers
+    def _rr_rank(self, inst: int) -> int:
+        """SGLang's round-robin DP dispatch inside an instance."""
+        r = self._rank_rr[inst]
+        self._rank_rr[inst] = (r + 1) % self.n_ranks
+        return inst * self.n_ranks + r
+
+    def _rotation(self, n: int) -> list[int]:
+        self._tick += 1
+        start = self._tick % n
+        return [(start + i) % n for i in range(n)]
+
+    def _best_instance(self, cl: Cluster, req: Request, matched_of: Callable[[int], int]) -> int:
+        """Motor's unified cost per instance (instance load), lowest wins."""
+        scored = [
+            (unified_cost(req.isl, matched_of(inst), cl.instance_load(inst)), order, inst)
+            for order, inst in enumerate(self._rotation(self.n_inst))
+        ]
+        return min(scored)[2]
+
+    def _fold(self, cl: Cluster, req: Request, inst: int) -> int:
+        """fold_engine_dps: the longest hit over the instance's ranks (never their union)."""
+        base = inst * self.n_ranks
+        return max(cl.matched_tokens(base + r, req) for r in range(self.n_ranks))
+
+    def _best_rank(self, cl: Cluster, req: Request, flats: Sequence[int]) -> int:
+        """Motor's unified cost per rank (rank load), lowest wins; optional hot-spot guard."""
+        scored = []
+        for order, flat in enumerate(flats):
+            load = cl.rank_load(flat)
+            scored.append((unified_cost(req.isl, cl.matched_tokens(flat, req), load), order, flat, load))
+        if self.hotspot_tokens is not None:
+            floor = min(s[3] for s in scored)
+            scored = [s for s in scored if s[3] - floor <= self.hotspot_tokens]
+        return min(scored)[2]
+
+    # ----- the policies
+    def round_robin(self, cl: Cluster, req: Request) -> int:
+        inst = self._inst_rr
+        self._inst_rr = (inst + 1) % self.n_inst
+        return self._rr_rank(inst)
+
+    def load_balance(self, cl: Cluster, req: Request) -> int:
+        inst = min(self._rotation(self.n_inst), key=cl.instance_load)  # min keeps the first of equals
+        return self._rr_rank(inst)
+
+    def dp0_only(self, cl: Cluster, req: Request) -> int:
+        return self._rr_rank(self._best_instance(cl, req, lambda i: cl.matched_tokens(i * self.n_ranks, req)))
+
+    def instance_affinity(self, cl: Cluster, req: Request) -> int:
+        return self._rr_rank(self._best_instance(cl, req, lambda i: self._fold(cl, req, i)))
+
+    def fold_pinned(self, cl: Cluster, req: Request) -> int:
+        return self._best_rank(cl, req, self._rotation(self.n_inst * self.n_ranks))
+
+    def fold_pinned_dispatch(self, cl: Cluster, req: Request) -> int:
+        inst = self._best_instance(cl, req, lambda i: self._fold(cl, req, i))
+        return self._best_rank(cl, req, [inst * self.n_ranks + r for r in self._rotation(self.n_ranks)])
+
+    def oracle(self, cl: Cluster, req: Request) -> int:
+        """Perfect-knowledge greedy: the rank of least exact TTFT (exact future hit, exact wait)."""
+        scored = []
+        for order, flat in enumerate(self._rotation(self.n_inst * self.n_ranks)):
+            wait_tokens = cl.oracle_wait_s(flat) * cl.tokens_per_s
+            scored.append((unified_cost(req.isl, cl.future_matched_tokens(flat, req), wait_tokens), order, flat))
+        return min(scored)[2]
+
+    def oracle_max_prefix(self, cl: Cluster, req: Request) -> int:
+        """Oracle knowledge, longest future hit first, ties by least wait (diagnostic: it hot-spots)."""
+        scored = [
+            (-cl.future_matched_tokens(flat, req), cl.oracle_wait_s(flat), order, flat)
+            for order, flat in enumerate(self._rotation(self.n_inst * self.n_ranks))
+        ]
+        return min(scored)[3]
+
+
+# ------------------------------------------------------------------------------------------ runner
+@dataclass(frozen=True)
+class SimConfig:
+    instances: int = 2
+    ranks: int = 16
+    capacity_pages: int = DEFAULT_CAPACITY_PAGES
+    page_size: int = PAGE_SIZE
+    tokens_per_s: float = DEFAULT_TOKENS_PER_S
+    hotspot_tokens: float | None = None
+    seed: int = 0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    idx = min(len(ordered) - 1, max(0, math.ceil(q / 100.0 * len(ordered)) - 1))
+    return ordered[idx]
+
+
+def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> dict[str, Any]:
+    """Run one policy on a fresh cluster; returns the policy's figures (without trace metadata)."""
+    cl = Cluster(cfg.instances, cfg.ranks, cfg.capacity_pages, cfg.page_size, cfg.tokens_per_s)
+    cl.track_pending = policy_name.startswith("oracle")
+    router = Router(cfg.instances, cfg.ranks, cfg.hotspot_tokens, cfg.seed)
+    policy = router.policy(policy_name)
+    t0 = time.perf_counter()
+    for req in requests:
+        cl.advance(req.arrival_s)
+        cl.dispatch(req, policy(cl, req))
+    cl.drain()
+    wall = time.perf_counter() - t0
+    st = cl.stats
+    mean_per_rank = len(requests) / len(st.per_rank)
+    return {
+        "policy": policy_name,
+        "hit_ratio": round(st.cached_tokens / st.prompt_tokens, 6) if st.prompt_tokens else 0.0,
+        "prefill_tokens": st.prompt_tokens - st.cached_tokens,
+        "ttft_p50_s": round(percentile(st.ttfts, 50), 4),
+        "ttft_p90_s": round(percentile(st.ttfts, 90), 4),
+        "ttft_p99_s": round(percentile(st.ttfts, 99), 4),
+        "ttft_mean_s": round(sum(st.ttfts) / len(st.ttfts), 4) if st.ttfts else 0.0,
+        "requests": len(requests),
+        "prompt_tokens": st.prompt_tokens,
+        "cached_tokens": st.cached_tokens,
+        "evicted_pages": st.evicted_pages,
+        "rank_requests_max_over_mean": round(max(st.per_rank) / mean_per_rank, 3) if requests else 0.0,
+        "sim_wall_s": round(wall, 3),
+    }
+
+
+def run(
+    requests: Sequence[Request], cfg: SimConfig, policies: Sequence[str], extra: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """Simulate every policy; add trace metadata, ratios to oracle and the issue-9 comparison."""
+    results = [{"bench": "routing", **extra, **simulate(p, requests, cfg)} for p in policies]
+    by_name = {r["policy"]: r for r in results}
+    oracle = by_name.get("oracle")
+    for r in results:
+        if oracle and oracle["hit_ratio"] > 0:
+            r["hit_ratio_vs_oracle"] = round(r["hit_ratio"] / oracle["hit_ratio"], 4)
+    disp, rr_disp = by_name.get("fold_pinned_dispatch"), by_name.get("instance_affinity")
+    if disp and rr_disp:
+        disp["rr_dispatch_policy"] = "instance_affinity"
+        disp["hit_ratio_vs_rr_dispatch"] = _ratio(disp["hit_ratio"], rr_disp["hit_ratio"])
+        disp["ttft_p50_vs_rr_dispatch"] = _ratio(disp["ttft_p50_s"], rr_disp["ttft_p50_s"])
+        disp["ttft_p90_vs_rr_dispatch"] = _ratio(disp["ttft_p90_s"], rr_disp["ttft_p90_s"])
+    return results
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | None:
+    """Bar charts of hit ratio and TTFT p50/p90 per policy. Returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed: plot skipped"
+    names = [r["policy"] for r in results]
+    xs = list(range(len(names)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax1.bar(xs, [r["hit_ratio"] for r in results], color="tab:blue")
+    ax1.set_title("prefix-cache hit ratio (cached / prompt tokens)")
+    top = max([r["hit_ratio"] for r in results] + [results[0].get("hit_ceiling") or 0.0])
+    ax1.set_ylim(0, max(0.05, top * 1.15))
+    for x, r in zip(xs, results, strict=True):
+        ax1.text(x, r["hit_ratio"], f"{r['hit_ratio']:.3f}", ha="center", va="bottom", fontsize=8)
+    ceiling = results[0].get("hit_ceiling")
+    if ceiling:
+        ax1.axhline(ceiling, color="gray", linestyle="--", linewidth=1)
+        ax1.text(xs[-1], ceiling, f"ceiling {ceiling:.3f}", ha="right", va="bottom", fontsize=8, color="gray")
+    width = 0.4
+    ax2.bar([x - width / 2 for x in xs], [r["ttft_p50_s"] for r in results], width, label="p50")
+    ax2.bar([x + width / 2 for x in xs], [r["ttft_p90_s"] for r in results], width, label="p90")
+    ax2.set_title("TTFT (s) = queue wait + prefill")
+    ax2.set_yscale("log")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake jsonl trace (default: %(default)s)")
+    p.add_argument("--instances", type=int, default=2, help="prefill instances (default 2)")
+    p.add_argument("--ranks", type=int, default=16, help="DP ranks per instance (default 16)")
+    p.add_argument(
+        "--capacity-pages", type=int, default=DEFAULT_CAPACITY_PAGES, help="KV pages per rank (default %(default)s)"
+    )
+    p.add_argument("--page-size", type=int, default=PAGE_SIZE, help="tokens per page, divides 512 (default 128)")
+    p.add_argument("--load", type=float, default=0.6, help="cold offered load / prefill capacity (default 0.6)")
+    p.add_argument(
+        "--tokens-per-s", type=float, default=DEFAULT_TOKENS_PER_S, help="prefill tokens/s per rank (default 714)"
+    )
+    p.add_argument("--limit", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma-separated (default: all)")
+    p.add_argument("--hotspot-tokens", type=float, default=None, help="fold_pinned hot-spot guard (default off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tie-break rotation start (default 0)")
+    p.add_argument("--out-dir", type=Path, default=_HERE / "results", help="where the PNG goes")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    args = p.parse_args(argv)
+    if args.instances < 1 or args.ranks < 1 or args.capacity_pages < 1:
+        p.error("--instances, --ranks and --capacity-pages must be >= 1")
+    if args.load <= 0 or args.tokens_per_s <= 0:
+        p.error("--load and --tokens-per-s must be > 0")
+    if args.page_size < 1 or TRACE_BLOCK_TOKENS % args.page_size:
+        p.error("--page-size must divide 512")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in ALL_POLICIES + EXTRA_POLICIES]
+    if unknown:
+        known = ", ".join(ALL_POLICIES + EXTRA_POLICIES)
+        print(f"error: unknown policies {unknown}; choose from {known}", file=sys.stderr)
+        return 2
+    try:
+        records = load_trace(args.trace, args.limit)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cfg = SimConfig(
+        instances=args.instances,
+        ranks=args.ranks,
+        capacity_pages=args.capacity_pages,
+        page_size=args.page_size,
+        tokens_per_s=args.tokens_per_s,
+        hotspot_tokens=args.hotspot_tokens,
+        seed=args.seed,
+    )
+    capacity = cfg.instances * cfg.ranks * cfg.tokens_per_s
+    requests, scale = build_requests(records, capacity, args.load, cfg.page_size)
+    extra = {
+        "trace": args.trace.name,
+        "instances": cfg.instances,
+        "ranks": cfg.ranks,
+        "capacity_pages": cfg.capacity_pages,
+        "page_size": cfg.page_size,
+        "load": args.load,
+        "tokens_per_s_per_rank": round(cfg.tokens_per_s, 2),
+        "time_scale": round(scale, 4),
+        "hit_ceiling": round(hit_ceiling(requests, cfg.page_size), 6),
+    }
+    results = run(requests, cfg, policies, extra)
+    stem = args.trace.name.removesuffix(".jsonl")
+    for r in results:
+        print(json.dumps(r), flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"routing_{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    if not args.no_plot:
+        title = (
+            f"{args.trace.name}: {len(requests)} requests, {cfg.instances}x{cfg.ranks} ranks, "
+            f"{cfg.capacity_pages} pages/rank, load {args.load}"
+        )
+        note = plot(results, title, args.out_dir / f"routing_{stem}.png")
+        print(note or f"plot: {args.out_dir / f'routing_{stem}.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

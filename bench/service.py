@@ -1,0 +1,197 @@
+"""``/query`` latency and throughput of the conductor-compatible service over loopback.
+
+The service runs in this process with an index of ``--instances`` fanned-in instances x
+``--ranks`` ranks holding ``--prompts`` prompts each; ``--clients`` concurrent aiohttp
+clients in ANOTHER process post Motor-shaped msgpack ``/query`` bodies. The baseline is a
+no-op endpoint (reads the body, answers ``{}``) of the same app - same aiohttp stack,
+same middleware - measured in the same run, phases interleaved. Prints one JSON line:
+
+    {"bench": "service", "query_p50_ms", "query_p99_ms", "query_rps", "noop_p99_ms", "noop_rps"}
+
+Target: query_p99_ms <= 2 * noop_p99_ms + 0.3.
+
+    python bench/service.py [--clients 64] [--seconds 3] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import random
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench._common import emit, percentile  # noqa: E402
+
+BS = 128
+MODEL = "bench-model"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(150_000) for _ in range(tokens)]
+
+
+# --------------------------------------------------------------------------- client process
+
+
+async def _phase(url: str, body: bytes, clients: int, seconds: float) -> tuple[list[float], float]:
+    import aiohttp
+
+    latencies: list[float] = []
+    stop_at = time.perf_counter() + seconds
+    headers = {"Content-Type": "application/msgpack"}
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+
+        async def worker() -> None:
+            while time.perf_counter() < stop_at:
+                start = time.perf_counter()
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"{url}: HTTP {response.status}")
+                latencies.append(time.perf_counter() - start)
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        elapsed = time.perf_counter() - began
+    return latencies, elapsed
+
+
+def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: float, rounds: int, out: Any) -> None:
+    results: dict[str, list[Any]] = {"query": [[], 0.0, 0], "noop": [[], 0.0, 0]}
+
+    async def run() -> None:
+        await _phase(base + "/query", bodies["query"], clients, 0.5)  # warm-up: connections, caches
+        for _ in range(rounds):
+            for name in ("noop", "query"):
+                lat, elapsed = await _phase(base + "/" + name, bodies[name], clients, seconds)
+                results[name][0].extend(lat)
+                results[name][1] += elapsed
+                results[name][2] += len(lat)
+
+    asyncio.run(run())
+    out.send({k: (v[0], v[1], v[2]) for k, v in results.items()})
+    out.close()
+
+
+# --------------------------------------------------------------------------- server side
+
+
+def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, list[list[int]]]:
+    from motor_adapter.motor import parse_registration
+    from motor_adapter.scoring import KvAffinityConfig
+    from motor_adapter.service import AdapterState, ServiceConfig
+    from sglang_kvpub import wire
+
+    state = AdapterState(ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS)))
+    prompts = [_prompt(rng, args.tokens) for _ in range(args.prompts)]
+    for i in range(args.instances):
+        # Nothing publishes on these endpoints: the index is filled directly below.
+        url = f"tcp://127.0.0.1:{_free_port()}"
+        reg = parse_registration(
+            {
+                "instance_id": f"vllm-prefill-{i}",
+                "medium_endpoints": {"npu": url},
+                "type": "sglang",
+                "modelname": MODEL,
+                "block_size": BS,
+                "fanned_in": True,
+            }
+        )
+        state.register(reg)
+        aff = state.affinity(MODEL, "default", BS)
+        for rank in range(args.ranks):
+            for p, tokens in enumerate(prompts):
+                if (p + rank + i) % 3:  # every prompt cached on some ranks of some instances
+                    continue
+                keep = len(tokens) // BS * BS * (1 + (rank % 4)) // 4 // BS * BS
+                hashes = [rng.getrandbits(64) for _ in range(keep // BS)]
+                event = wire.BlockStored(block_hashes=hashes, token_ids=tokens[:keep], block_size=BS, medium="GPU")
+                aff.index.apply_batch(url, wire.EventBatch(ts=0.0, events=[event], dp_rank=rank))
+    return state, prompts
+
+
+async def _serve(args: argparse.Namespace) -> dict[str, Any]:
+    import msgpack
+    from aiohttp import web
+
+    from motor_adapter.service import build_app
+
+    rng = random.Random(7)
+    state, prompts = _build_state(args, rng)
+    app = build_app(state)
+
+    async def noop(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({})
+
+    app.router.add_post("/noop", noop)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    body = msgpack.packb({"model": MODEL, "block_size": BS, "token_ids": prompts[0], "tenant_id": "default"})
+    bodies = {"query": body, "noop": body}
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(
+        target=_client_main, args=(f"http://127.0.0.1:{port}", bodies, args.clients, args.seconds, args.rounds, send)
+    )
+    proc.start()
+    send.close()
+    loop = asyncio.get_running_loop()
+    try:
+        results = await loop.run_in_executor(None, recv.recv)
+    finally:
+        await loop.run_in_executor(None, proc.join, 30)
+        if proc.is_alive():
+            proc.kill()
+        await runner.cleanup()
+    out: dict[str, Any] = {"bench": "service"}
+    for name in ("query", "noop"):
+        latencies, elapsed, count = results[name]
+        ms = [x * 1000 for x in latencies]
+        out[f"{name}_p50_ms"] = round(percentile(ms, 50), 3)
+        out[f"{name}_p99_ms"] = round(percentile(ms, 99), 3)
+        out[f"{name}_rps"] = round(count / elapsed, 1) if elapsed else 0.0
+    order = ["bench", "query_p50_ms", "query_p99_ms", "query_rps", "noop_p99_ms", "noop_rps", "noop_p50_ms"]
+    record = {k: out[k] for k in order}
+    record.update(
+        clients=args.clients,
+        tokens=args.tokens,
+        instances=args.instances,
+        ranks=args.ranks,
+        target_met=record["query_p99_ms"] <= 2 * record["noop_p99_ms"] + 0.3,
+    )
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=3.0, help="per phase")
+    parser.add_argument("--rounds", type=int, default=2, help="noop/query phase pairs, interleaved")
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt length of each /query")
+    parser.add_argument("--instances", type=int, default=8)
+    parser.add_argument("--ranks", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=16)
+    args = parser.parse_args()
+    emit(asyncio.run(_serve(args)))
+
+
+if __name__ == "__main__":
+    main()

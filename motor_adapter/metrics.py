@@ -1,0 +1,147 @@
+"""A tiny Prometheus text exposition (format 0.0.4) without a client library.
+
+Counters, gauges and histograms with labels; single-threaded use from the service's event
+loop (the stream figures are read from the subscribers' health snapshots at scrape time).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+__all__ = ["Counter", "Gauge", "Histogram", "Registry", "LATENCY_BUCKETS_S"]
+
+LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 3.0)
+Labels = tuple[tuple[str, str], ...]
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: Labels, extra: Labels = ()) -> str:
+    items = labels + extra
+    if not items:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if float(value).is_integer():
+        return str(int(value))
+    return repr(float(value))
+
+
+def _key(labels: dict[str, object] | None) -> Labels:
+    return tuple((k, str(v)) for k, v in sorted((labels or {}).items()))
+
+
+class _Metric:
+    kind = "untyped"
+
+    def __init__(self, name: str, help_text: str) -> None:
+        self.name = name
+        self.help = help_text
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+    def lines(self) -> list[str]:
+        raise NotImplementedError
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str) -> None:
+        super().__init__(name, help_text)
+        self._values: dict[Labels, float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: object) -> None:
+        key = _key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def value(self, **labels: object) -> float:
+        return self._values.get(_key(labels), 0.0)
+
+    def lines(self) -> list[str]:
+        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self._values.items())]
+
+
+class Gauge(Counter):
+    """A value set at scrape time (``set``) or counted up and down."""
+
+    kind = "gauge"
+
+    def set(self, value: float, **labels: object) -> None:
+        self._values[_key(labels)] = value
+
+    def clear(self) -> None:
+        self._values.clear()
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> None:
+        super().__init__(name, help_text)
+        self.buckets = tuple(sorted(buckets))
+        self._series: dict[Labels, list[float]] = {}  # bucket counts..., +Inf count, sum
+
+    def observe(self, value: float, **labels: object) -> None:
+        key = _key(labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = [0.0] * (len(self.buckets) + 2)
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                series[i] += 1
+        series[-2] += 1
+        series[-1] += value
+
+    def count(self, **labels: object) -> int:
+        series = self._series.get(_key(labels))
+        return int(series[-2]) if series else 0
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        for key, series in sorted(self._series.items()):
+            for bound, count in zip(self.buckets, series, strict=False):
+                out.append(f"{self.name}_bucket{_labels(key, (('le', _number(bound)),))} {_number(count)}")
+            out.append(f"{self.name}_bucket{_labels(key, (('le', '+Inf'),))} {_number(series[-2])}")
+            out.append(f"{self.name}_count{_labels(key)} {_number(series[-2])}")
+            out.append(f"{self.name}_sum{_labels(key)} {_number(series[-1])}")
+        return out
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._metrics: list[_Metric] = []
+
+    def add(self, metric: _Metric) -> _Metric:
+        self._metrics.append(metric)
+        return metric
+
+    def counter(self, name: str, help_text: str) -> Counter:
+        metric = Counter(name, help_text)
+        self._metrics.append(metric)
+        return metric
+
+    def gauge(self, name: str, help_text: str) -> Gauge:
+        metric = Gauge(name, help_text)
+        self._metrics.append(metric)
+        return metric
+
+    def histogram(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> Histogram:
+        metric = Histogram(name, help_text, buckets)
+        self._metrics.append(metric)
+        return metric
+
+    def render(self, extra: Iterable[_Metric] = ()) -> str:
+        lines: list[str] = []
+        for metric in [*self._metrics, *extra]:
+            lines += metric.header()
+            lines += metric.lines()
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,543 @@
+"""Motor specifics: what a kv-conductor registration means, and checks of a Motor user config.
+
+Registrations come from Motor's conductor client (``motor-conductor.md`` section 4.1). We
+read them the way the conductor does, and fix what the originating report found broken:
+
+- ``medium_endpoints`` keys have aliases (npu|gpu|xpu|hbm|device, cpu|cpu_pinned|host|memory,
+  disk|ssd|nvme|nof_ssd|dfs);
+- a registration that repeats the engine URL under cpu/disk (Motor's pool-mode
+  re-registration, the report's bug 4 / risk R3) is an ENGINE stream, never a pool: the
+  conductor would parse it as pool events and drop every HBM store;
+- ``type: sglang`` with ``dp_size`` > 1 and no ``fanned_in`` is an engine without our
+  plugin: compatibility mode, one subscription per rank port ``base + rank``.
+
+:func:`check_config` validates a Motor 3.1 user config and names the key and the fix of
+every problem it finds (``motor-kv-adapter check-config``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+from urllib.parse import urlsplit
+
+from motor_adapter.scoring import ConfigError, KvAffinityConfig
+
+__all__ = [
+    "MEDIUM_ALIASES",
+    "RegistrationError",
+    "Registration",
+    "Unregistration",
+    "parse_registration",
+    "parse_unregistration",
+    "Finding",
+    "check_config",
+    "load_config_file",
+]
+
+MEDIUM_ALIASES: dict[str, str] = {
+    **dict.fromkeys(("npu", "gpu", "xpu", "hbm", "device"), "npu"),
+    **dict.fromkeys(("cpu", "cpu_pinned", "host", "memory"), "cpu"),
+    **dict.fromkeys(("disk", "ssd", "nvme", "nof_ssd", "dfs"), "disk"),
+}
+DEFAULT_TENANT = "default"
+_MAX_DP = 4096
+
+StreamMode = Literal["engine", "compat", "pool", "http_only"]
+
+
+class RegistrationError(ValueError):
+    """A register/unregister body we cannot accept; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+    """One ``(instance_id, dp_rank)`` registration, interpreted.
+
+    ``stream`` is the URL we subscribe to (``None``: nothing to follow); ``mode`` says how:
+    ``engine`` (one stream - the plugin's instance stream or a single-rank engine),
+    ``compat`` (ranks on ``stream``'s port + rank, ``compat_dp_size`` of them), ``pool``
+    (pool streams, not followed) or ``http_only``.
+    """
+
+    instance_id: str
+    dp_rank: int
+    model: str
+    tenant: str
+    block_size: int
+    engine_type: str
+    store_backend: str
+    media: dict[str, str]
+    replay_endpoint: Union[str, None]
+    node_id: Union[str, None]
+    dp_size: Union[int, None]
+    fanned_in: Union[bool, None]
+    stream: Union[str, None]
+    mode: StreamMode
+    compat_dp_size: Union[int, None]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> tuple[str, str, str, int]:
+        return (self.tenant, self.model, self.instance_id, self.dp_rank)
+
+    def same_as(self, other: Registration) -> bool:
+        """Equal for idempotence: Motor re-registers the same thing every 30 s."""
+        return dataclasses.replace(self, warnings=()) == dataclasses.replace(other, warnings=())
+
+    def worker_endpoint(self) -> dict[str, Any]:
+        """The ``GET /workers`` view of this dp, conductor-shaped."""
+        return {
+            "medium_endpoints": dict(self.media),
+            "engine_type": self.engine_type,
+            "dp_rank": self.dp_rank,
+            "replay_endpoint": self.replay_endpoint,
+            "store_backend": self.store_backend,
+            "node_id": self.node_id,
+            "stream": self.stream,
+            "mode": self.mode,
+            "compat_dp_size": self.compat_dp_size,
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Unregistration:
+    instance_id: str
+    dp_rank: Union[int, None]  # None: every dp of the instance
+    model: Union[str, None]
+    tenant: str
+
+
+def _str(body: Mapping[str, Any], key: str, default: Union[str, None] = None, required: bool = False) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        if required:
+            raise RegistrationError(f"{key} is required")
+        return default
+    if not isinstance(value, str) or (required and not value):
+        raise RegistrationError(f"{key} must be a non-empty string, got {type(value).__name__}")
+    return value
+
+
+def _int(body: Mapping[str, Any], key: str, default: Union[int, None], minimum: int, maximum: int) -> Any:
+    value = body.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RegistrationError(f"{key} must be an integer, got {type(value).__name__}")
+    if not minimum <= value <= maximum:
+        raise RegistrationError(f"{key} must be in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def _check_url(key: str, url: Any) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        raise RegistrationError(f"{key} must be a ZMQ URL like tcp://HOST:PORT, got {url!r}")
+    return url
+
+
+def _normalise_media(raw: Any) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise RegistrationError(f"medium_endpoints must be an object, got {type(raw).__name__}")
+    media: dict[str, str] = {}
+    for name, url in raw.items():
+        medium = MEDIUM_ALIASES.get(str(name).strip().lower())
+        if medium is None:
+            known = ", ".join(sorted(MEDIUM_ALIASES))
+            raise RegistrationError(f"medium_endpoints has unknown medium {name!r} (known: {known})")
+        if url in (None, ""):
+            continue
+        media[medium] = _check_url(f"medium_endpoints.{name}", url)
+    return media
+
+
+def parse_registration(body: Any) -> Registration:
+    """Reads a ``POST /register`` body; raises :class:`RegistrationError` with the field at fault."""
+    if not isinstance(body, Mapping):
+        raise RegistrationError(f"the body must be an object, got {type(body).__name__}")
+    instance_id = _str(body, "instance_id", required=True)
+    media = _normalise_media(body.get("medium_endpoints"))
+    legacy = body.get("endpoint")
+    if legacy not in (None, ""):
+        legacy = _check_url("endpoint", legacy)
+    replay = body.get("replay_endpoint")
+    replay = _check_url("replay_endpoint", replay) if replay not in (None, "") else None
+    fanned_in = body.get("fanned_in")
+    if fanned_in is not None and not isinstance(fanned_in, bool):
+        raise RegistrationError(f"fanned_in must be true or false, got {fanned_in!r}")
+    engine_type = _str(body, "type", "vLLM")
+    dp_size = _int(body, "dp_size", None, 1, _MAX_DP)
+    fields: dict[str, Any] = {
+        "instance_id": instance_id,
+        "dp_rank": _int(body, "dp_rank", 0, 0, _MAX_DP),
+        "model": _str(body, "modelname", None) or _str(body, "model_name", "default"),
+        "tenant": _str(body, "tenant_id", DEFAULT_TENANT) or DEFAULT_TENANT,
+        "block_size": _int(body, "block_size", 128, 1, 1 << 20),
+        "engine_type": engine_type,
+        "store_backend": _str(body, "store_backend", "") or "Mooncake",
+        "replay_endpoint": replay,
+        "node_id": _str(body, "node_id", None),
+        "dp_size": dp_size,
+        "fanned_in": fanned_in,
+    }
+    stream, mode, warnings = _interpret(instance_id, media, legacy, engine_type)
+    compat = None
+    if mode == "engine" and not fanned_in and engine_type.lower() == "sglang" and (dp_size or 1) > 1:
+        mode, compat = "compat", dp_size
+        warnings.append(
+            f"type sglang with dp_size {dp_size} and no fanned_in: compatibility mode, "
+            f"subscribing to {dp_size} rank ports from {stream} (run the engine with --plugin sglang_kvpub "
+            "and register fanned_in: true for one stream with replay and snapshot)"
+        )
+    if legacy and not media:
+        media = {"npu": legacy} if mode in ("engine", "compat") else dict.fromkeys(("npu", "cpu", "disk"), legacy)
+    return Registration(
+        media=media, stream=stream, mode=mode, compat_dp_size=compat, warnings=tuple(warnings), **fields
+    )
+
+
+def _interpret(
+    instance_id: str, media: dict[str, str], legacy: Any, engine_type: str
+) -> tuple[Union[str, None], StreamMode, list[str]]:
+    warnings: list[str] = []
+    engine = media.get("npu")
+    lower = {m: url for m, url in media.items() if m != "npu"}
+    if engine is not None:
+        repeated = sorted(m for m, url in lower.items() if url == engine)
+        if repeated:
+            warnings.append(
+                f"medium_endpoints repeats the engine URL {engine} under {'/'.join(repeated)}: treated as ONE "
+                "engine stream (npu); a pool reading would drop every HBM BlockStored (Motor pool-mode "
+                "re-registration, report bug 4). Register only npu for an engine."
+            )
+        others = sorted(m for m, url in lower.items() if url != engine)
+        if others:
+            warnings.append(f"pool streams ({'/'.join(others)}) are not followed by this adapter; only npu is")
+        return engine, "engine", warnings
+    if lower:
+        warnings.append(f"pool-only registration ({'/'.join(sorted(lower))}): not followed by this adapter")
+        return None, "pool", warnings
+    if legacy:
+        if "pool" in instance_id.lower():
+            warnings.append("legacy pool registration (endpoint without medium_endpoints): not followed")
+            return None, "pool", warnings
+        return str(legacy), "engine", warnings
+    return None, "http_only", warnings
+
+
+def parse_unregistration(body: Any) -> Unregistration:
+    if not isinstance(body, Mapping):
+        raise RegistrationError(f"the body must be an object, got {type(body).__name__}")
+    return Unregistration(
+        instance_id=_str(body, "instance_id", required=True),
+        dp_rank=_int(body, "dp_rank", None, 0, _MAX_DP),
+        model=_str(body, "modelname", None) or _str(body, "model_name", None),
+        tenant=_str(body, "tenant_id", DEFAULT_TENANT) or DEFAULT_TENANT,
+    )
+
+
+# --------------------------------------------------------------------------- config check
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem (``severity="problem"``, fails the check) or a note, with the key and fix."""
+
+    key: str
+    message: str
+    fix: str
+    severity: Literal["problem", "note"] = "problem"
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.key}: {self.message}\n    fix: {self.fix}"
+
+
+def load_config_file(path: str) -> Any:
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def _engine_args(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine args with ``_`` spelled ``-``, as SGLang's CLI spells them."""
+    args = engine.get("engine_config") or {}
+    if not isinstance(args, Mapping):
+        return {}
+    return {str(k).replace("_", "-"): v for k, v in args.items()}
+
+
+def _kv_events(args: Mapping[str, Any]) -> tuple[Union[dict[str, Any], None], str]:
+    """``(kv-events-config as a dict, "" or why it is unusable)``; SGLang takes it as a JSON string."""
+    value = args.get("kv-events-config")
+    if value is None:
+        return None, "is missing"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None, "is not valid JSON"
+    if not isinstance(value, Mapping):
+        return None, f"must be a JSON object, got {type(value).__name__}"
+    return dict(value), ""
+
+
+def _port(url: Any) -> Union[int, None]:
+    if not isinstance(url, str):
+        return None
+    try:
+        return urlsplit(url.replace("*", "0.0.0.0")).port
+    except ValueError:
+        return None
+
+
+def _has_plugin(args: Mapping[str, Any]) -> bool:
+    for key in ("plugin", "plugins"):
+        value = args.get(key)
+        items = value if isinstance(value, list) else str(value or "").replace(",", " ").split()
+        if "sglang_kvpub" in items:
+            return True
+    return False
+
+
+def _find_engine(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    for role in ("prefill", "union", "decode"):
+        key = f"motor_engine_{role}_config"
+        engine = config.get(key)
+        if isinstance(engine, Mapping) and "kv-events-config" in _engine_args(engine):
+            return key, engine
+    for role in ("prefill", "union"):
+        engine = config.get(f"motor_engine_{role}_config")
+        if isinstance(engine, Mapping):
+            return f"motor_engine_{role}_config", engine
+    return "motor_engine_prefill_config", {}
+
+
+def _scheduler(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    coordinator = config.get("motor_coordinator_config")
+    scheduler = coordinator.get("scheduler_config") if isinstance(coordinator, Mapping) else None
+    return scheduler if isinstance(scheduler, Mapping) else {}
+
+
+def _conductor(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    scheduler = _scheduler(config)
+    if isinstance(scheduler.get("kv_conductor_config"), Mapping):
+        return "motor_coordinator_config.scheduler_config.kv_conductor_config", scheduler["kv_conductor_config"]
+    if isinstance(config.get("kv_conductor_config"), Mapping):
+        return "kv_conductor_config", config["kv_conductor_config"]
+    return "kv_conductor_config", {}
+
+
+def _enable_multi_endpoints(config: Mapping[str, Any]) -> bool:
+    for section in ("motor_deploy_config", "basic_config", "motor_controller_config"):
+        value = config.get(section)
+        if isinstance(value, Mapping) and "enable_multi_endpoints" in value:
+            return bool(value["enable_multi_endpoints"])
+    return bool(config.get("enable_multi_endpoints", True))
+
+
+def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> list[Finding]:
+    """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter."""
+    if not isinstance(config, Mapping):
+        return [
+            Finding("<root>", f"expected a JSON object, got {type(config).__name__}", "pass a Motor user_config.json")
+        ]
+    env = os.environ if env is None else env
+    findings: list[Finding] = []
+    findings += _check_scheduler(config)
+    conductor_key, conductor = _conductor(config)
+    engine_key, engine = _find_engine(config)
+    args = _engine_args(engine)
+    findings += _check_conductor(conductor_key, conductor, env)
+    findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor)
+    return findings
+
+
+def _check_scheduler(config: Mapping[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    scheduler = _scheduler(config)
+    key = "motor_coordinator_config.scheduler_config"
+    stype = scheduler.get("scheduler_type", scheduler.get("prefill_scheduler_type", "load_balance"))
+    if stype != "kv_cache_affinity":
+        findings.append(
+            Finding(f"{key}.scheduler_type", f"is {stype!r}: KV affinity is off", 'set "kv_cache_affinity"')
+        )
+    try:
+        KvAffinityConfig.from_motor(config)
+    except ConfigError as exc:
+        findings += [Finding(f"{key}.kv_affinity", p, "see the message") for p in exc.problems]
+    return findings
+
+
+def _check_conductor(key: str, conductor: Mapping[str, Any], env: Mapping[str, str]) -> list[Finding]:
+    findings: list[Finding] = []
+    if not conductor.get("conductor_service") and not env.get("KV_CONDUCTOR_SERVICE"):
+        findings.append(
+            Finding(
+                f"{key}.conductor_service",
+                "is empty and KV_CONDUCTOR_SERVICE is unset: Motor never queries a conductor",
+                "set it to the host running motor-kv-adapter serve (e.g. 127.0.0.1) and http_server_port to its port",
+            )
+        )
+    port = conductor.get("http_server_port", 13333)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        findings.append(Finding(f"{key}.http_server_port", f"is {port!r}", "set the adapter's port, e.g. 13333"))
+    encoding = conductor.get("query_encoding", "msgpack")
+    if encoding not in ("msgpack", "json"):
+        findings.append(Finding(f"{key}.query_encoding", f"is {encoding!r}", 'use "msgpack" (default) or "json"'))
+    return findings
+
+
+def _check_engine(
+    config: Mapping[str, Any],
+    engine_key: str,
+    engine: Mapping[str, Any],
+    args: Mapping[str, Any],
+    conductor_key: str,
+    conductor: Mapping[str, Any],
+) -> list[Finding]:
+    findings: list[Finding] = []
+    engine_type = str(engine.get("engine_type", "")).lower()
+    conductor_type = str(conductor.get("engine_type", "vLLM"))
+    if engine_type == "sglang" and conductor_type.lower() != "sglang":
+        findings.append(
+            Finding(
+                f"{conductor_key}.engine_type",
+                f"is {conductor_type!r} (Motor's default when unset) but {engine_key}.engine_type is sglang: "
+                "registrations say the wrong engine and DSV4 tokenization looks for vLLM",
+                'set "engine_type": "sglang"',
+            )
+        )
+    plugin = _has_plugin(args)
+    findings += _check_block_size(engine_key, args, conductor_key, conductor)
+    events, what = _kv_events(args)
+    events_key = f"{engine_key}.engine_config.kv-events-config"
+    if events is None:
+        findings.append(
+            Finding(
+                events_key,
+                f"{what}: the engine publishes no KV events, every query misses",
+                'add {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:6667", '
+                '"topic": "kv-events"}',
+            )
+        )
+        return findings
+    findings += _check_events(events_key, events)
+    dp = args.get("dp-size", args.get("data-parallel-size", 1))
+    dp = dp if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0 else 1
+    if engine_type == "sglang" and dp > 1 and not plugin and not _enable_multi_endpoints(config):
+        findings.append(
+            Finding(
+                f"{engine_key}.engine_config.plugin",
+                f"dp-size {dp} behind one HTTP endpoint (enable_multi_endpoints false) without the sglang_kvpub "
+                "plugin: a conductor subscribes to DP0's stream only, ranks 1..N-1 are invisible",
+                'add "plugin": "sglang_kvpub" (= --plugin sglang_kvpub), or register with dp_size for compat mode',
+            )
+        )
+    findings += _check_ports(events_key, events, dp, plugin)
+    findings += _check_l2(config, engine_key, args, plugin)
+    return findings
+
+
+def _check_block_size(
+    engine_key: str, args: Mapping[str, Any], conductor_key: str, conductor: Mapping[str, Any]
+) -> list[Finding]:
+    page = args.get("page-size", args.get("block-size"))
+    block = conductor.get("block_size")
+    if block is None:
+        derived = args.get("block-size", 128)  # Motor derives from block-size only, never page-size
+        if page is not None and page != derived:
+            return [
+                Finding(
+                    f"{conductor_key}.block_size",
+                    f"is unset, so Motor uses {derived} (it reads engine block-size, not SGLang's page-size) but "
+                    f"{engine_key}.engine_config.page-size is {page}: every event is dropped as the wrong size",
+                    f'set "block_size": {page}',
+                )
+            ]
+        return []
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        return [Finding(f"{conductor_key}.block_size", f"is {block!r}", "set the engine page size, e.g. 128")]
+    if page is not None and page != block:
+        return [
+            Finding(
+                f"{conductor_key}.block_size",
+                f"is {block} but {engine_key}.engine_config.page-size is {page}: the hashes never match",
+                f'set "block_size": {page} (with DCP: page size x DCP size)',
+            )
+        ]
+    return []
+
+
+def _check_events(key: str, events: Mapping[str, Any]) -> list[Finding]:
+    findings: list[Finding] = []
+    if events.get("publisher", "zmq") != "zmq":
+        findings.append(Finding(f"{key}.publisher", f"is {events.get('publisher')!r}", 'set "zmq"'))
+    if events.get("enable_kv_cache_events") is False:
+        findings.append(Finding(f"{key}.enable_kv_cache_events", "is false", "set it to true"))
+    if _port(events.get("endpoint", "tcp://*:5557")) is None:
+        findings.append(Finding(f"{key}.endpoint", f"{events.get('endpoint')!r} has no port", 'use "tcp://*:5557"'))
+    if not events.get("replay_endpoint"):
+        findings.append(
+            Finding(
+                f"{key}.replay_endpoint",
+                "is missing: a router that misses a batch or restarts cannot recover",
+                'add "replay_endpoint": "tcp://*:6667"',
+                severity="note",
+            )
+        )
+    return findings
+
+
+def _check_ports(key: str, events: Mapping[str, Any], dp: int, plugin: bool) -> list[Finding]:
+    base, replay = _port(events.get("endpoint", "tcp://*:5557")), _port(events.get("replay_endpoint"))
+    if base is None or replay is None:
+        return []
+    span = 1 if plugin else dp  # without the plugin every rank binds base+rank and replay+rank
+    if base < replay + span and replay < base + span:
+        return [
+            Finding(
+                f"{key}.replay_endpoint",
+                f"replay ports {replay}..{replay + span - 1} overlap the event ports {base}..{base + span - 1}"
+                + ("" if plugin else " (each rank binds base+rank)"),
+                f"move replay_endpoint to port {base + span + 1000} or higher",
+            )
+        ]
+    return []
+
+
+def _check_l2(config: Mapping[str, Any], engine_key: str, args: Mapping[str, Any], plugin: bool) -> list[Finding]:
+    try:
+        cfg = KvAffinityConfig.from_motor(config)
+    except ConfigError:
+        return []
+    if cfg.w_cpu <= 0:
+        return []
+    hicache = bool(args.get("enable-hierarchical-cache"))
+    policy = str(args.get("hicache-write-policy", "write_through" if hicache else ""))
+    if not hicache:
+        return []
+    if not plugin:
+        return [
+            Finding(
+                "motor_coordinator_config.scheduler_config.kv_affinity.w_cpu",
+                f"is {cfg.w_cpu} with HiCache ({policy}) but without the sglang_kvpub plugin: SGLang sends no "
+                "BlockRemoved(GPU) when HBM is released, and with write_through the exclusive split keeps "
+                "cpu_blocks at 0, so L2 scoring is wrong",
+                'add "plugin": "sglang_kvpub" to the engine, or set "w_cpu": 0',
+            )
+        ]
+    if policy == "write_through":
+        return [
+            Finding(
+                "motor_coordinator_config.scheduler_config.kv_affinity.w_cpu",
+                "with write_through a block counts as cpu only after it left HBM (exclusive split)",
+                "expected: npu_blocks first, cpu_blocks after HBM release",
+                severity="note",
+            )
+        ]
+    return []

@@ -1,0 +1,530 @@
+"""Motor's kv_cache_affinity decision, computed from per-rank prefix hits (pure, no I/O).
+
+The pipeline for one request:
+
+1. ``hits_by_instance``: for every instance, the per-engine-rank hit split over tiers
+   (NPU, then CPU, then disk, exclusive) as the prefix index reports it;
+2. :func:`fold_engine_dps`: the ONE rank of an instance with the longest weighted hit -
+   never the union of ranks, since a prefix split over two ranks is not a hit anywhere;
+3. Motor's cost (``motor-conductor.md`` section 3.5), exactly::
+
+       matched      = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
+       prefill_cost = max(0, isl - overlap_credit * matched)
+       unified:     score = prefill_load_scale*prefill_cost + load_weight*load, lowest wins
+       load_gated:  keep the load_gate_topn (0 -> 2) least loaded, then longest match
+
+4. a :class:`Decision` that carries the engine rank to pin (``routed_dp_rank`` /
+   ``X-Data-Parallel-Rank``) and renders Motor's ``scheduled role=...`` log line.
+
+:func:`conductor_response` renders the same hits as kv-conductor's ``/query`` JSON, with a
+fanned-in instance's engine ranks folded into the dp Motor registered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, Union
+
+__all__ = [
+    "MODES",
+    "POLICY_AFFINITY",
+    "POLICY_LOAD_BALANCE",
+    "Candidate",
+    "CandidateScore",
+    "ConfigError",
+    "Decision",
+    "FoldedHit",
+    "KvAffinityConfig",
+    "TierCounts",
+    "conductor_response",
+    "fold_engine_dps",
+    "matched_tokens",
+    "prefill_cost",
+    "select",
+    "weighted_blocks",
+]
+
+Mode = Literal["unified", "load_gated"]
+MODES: tuple[str, ...] = ("unified", "load_gated")
+POLICY_AFFINITY = "kv_cache_affinity"
+POLICY_LOAD_BALANCE = "load_balance"
+_DEFAULT_TOPN = 2  # Motor turns load_gate_topn=0 into 2 at runtime
+
+
+class TierCounts(Protocol):
+    """What scoring needs from a hit: ``sglang_kvpub.index.TierHit`` satisfies it."""
+
+    @property
+    def npu_blocks(self) -> int: ...
+
+    @property
+    def cpu_blocks(self) -> int: ...
+
+    @property
+    def disk_blocks(self) -> int: ...
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+class ConfigError(ValueError):
+    """One or more bad ``kv_affinity`` settings; each problem names the key and the fix."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid kv_affinity configuration: " + "; ".join(self.problems))
+
+
+_FLOAT_KEYS = ("load_weight", "overlap_credit", "prefill_load_scale", "w_npu", "w_cpu", "w_disk", "hit_rate_threshold")
+_INT_KEYS = ("load_gate_topn", "block_size")
+# Keys Motor's older releases kept flat in scheduler_config as kv_affinity_<key>.
+_FLAT_PREFIX = "kv_affinity_"
+
+
+@dataclasses.dataclass(frozen=True)
+class KvAffinityConfig:
+    """Motor's ``scheduler_config.kv_affinity`` settings, with Motor's defaults.
+
+    ``block_size`` comes from ``kv_conductor_config.block_size`` in Motor and must equal the
+    engine's page size.
+    """
+
+    mode: str = "unified"
+    load_weight: float = 1.0
+    overlap_credit: float = 1.0
+    prefill_load_scale: float = 1.0
+    load_gate_topn: int = 0
+    w_npu: float = 1.0
+    w_cpu: float = 1.0
+    w_disk: float = 0.0
+    hit_rate_threshold: float = 0.0
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        problems = _validate(dataclasses.asdict(self), prefix="kv_affinity.")
+        if problems:
+            raise ConfigError(problems)
+        # Normalise what JSON may spell loosely: "Unified", 128.0.
+        object.__setattr__(self, "mode", self.mode.strip().lower())
+        for key in _INT_KEYS:
+            object.__setattr__(self, key, int(getattr(self, key)))
+        for key in _FLOAT_KEYS:
+            object.__setattr__(self, key, float(getattr(self, key)))
+
+    @property
+    def gate_topn(self) -> int:
+        """How many least-loaded candidates ``load_gated`` keeps (0 means 2, as in Motor)."""
+        return self.load_gate_topn or _DEFAULT_TOPN
+
+    def weighted(self, hit: TierCounts) -> float:
+        return weighted_blocks(hit, self)
+
+    @classmethod
+    def from_motor(cls, config: Mapping[str, Any]) -> KvAffinityConfig:
+        """Reads Motor's configuration at any of its levels.
+
+        Accepts the whole user_config (``motor_coordinator_config.scheduler_config``), a
+        ``scheduler_config`` (nested ``kv_affinity`` and/or the older flat ``kv_affinity_*``
+        keys - nested wins), or the ``kv_affinity`` dict itself. ``block_size`` is taken from
+        ``kv_conductor_config.block_size`` (scheduler_config's or top-level) unless the
+        ``kv_affinity`` dict sets it. Raises :class:`ConfigError` listing every problem.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError([f"expected a JSON object, got {type(config).__name__}"])
+        values, where, conductor = _collect(config)
+        if conductor is not None and "block_size" not in values:
+            values["block_size"] = conductor
+        problems = _validate(values, prefix=where)
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        problems += [
+            f"{where}{key} is not a kv_affinity setting: remove it (known: {', '.join(_known_keys())})"
+            for key in unknown
+        ]
+        if problems:
+            raise ConfigError(problems)
+        return cls(**values)
+
+
+def _known_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(KvAffinityConfig)]
+
+
+def _collect(config: Mapping[str, Any]) -> tuple[dict[str, Any], str, Any]:
+    """``(kv_affinity values, key prefix for messages, kv_conductor_config.block_size)``."""
+    top_conductor = config.get("kv_conductor_config")
+    scheduler: Mapping[str, Any] | None = None
+    where = "scheduler_config."
+    coordinator = config.get("motor_coordinator_config")
+    if isinstance(coordinator, Mapping):
+        scheduler = coordinator.get("scheduler_config") or {}
+        where = "motor_coordinator_config.scheduler_config."
+    elif isinstance(config.get("scheduler_config"), Mapping):
+        scheduler = config["scheduler_config"]
+    elif _looks_like_scheduler_config(config):
+        scheduler = config
+        where = ""
+    if scheduler is None:  # the kv_affinity dict itself
+        return dict(config), "kv_affinity.", None
+    if not isinstance(scheduler, Mapping):
+        raise ConfigError([f"{where.rstrip('.')} must be a JSON object"])
+    values = {str(k)[len(_FLAT_PREFIX) :]: v for k, v in scheduler.items() if str(k).startswith(_FLAT_PREFIX)}
+    nested = scheduler.get("kv_affinity")
+    if nested is not None and not isinstance(nested, Mapping):
+        raise ConfigError([f"{where}kv_affinity must be a JSON object, got {type(nested).__name__}"])
+    values.update(nested or {})
+    conductor = scheduler.get("kv_conductor_config") or top_conductor
+    block_size = conductor.get("block_size") if isinstance(conductor, Mapping) else None
+    return values, f"{where}kv_affinity.", block_size
+
+
+def _looks_like_scheduler_config(config: Mapping[str, Any]) -> bool:
+    markers = ("kv_affinity", "scheduler_type", "kv_conductor_config")
+    return any(k in config for k in markers) or any(str(k).startswith(_FLAT_PREFIX) for k in config)
+
+
+def _validate(values: Mapping[str, Any], prefix: str) -> list[str]:
+    problems: list[str] = []
+    mode = values.get("mode", "unified")
+    if not isinstance(mode, str) or mode.strip().lower() not in MODES:
+        problems.append(f'{prefix}mode is {mode!r}: set it to "unified" or "load_gated"')
+    for key in _FLOAT_KEYS:
+        if key in values:
+            problems += _check_number(prefix + key, values[key], integer=False)
+    for key in _INT_KEYS:
+        if key in values:
+            problems += _check_number(prefix + key, values[key], integer=True)
+    threshold = values.get("hit_rate_threshold", 0.0)
+    if _is_number(threshold) and threshold > 1:
+        problems.append(f"{prefix}hit_rate_threshold is {threshold}: it is a ratio, use a value in [0, 1] (0 = off)")
+    block_size = values.get("block_size", 128)
+    if _is_number(block_size) and block_size == 0:
+        problems.append(f"{prefix}block_size is 0: set it to the engine's page size (e.g. 128)")
+    return problems
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_number(key: str, value: Any, *, integer: bool) -> list[str]:
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, str):
+        return [f"{key} is the string {value!r}: write {kind} without quotes"]
+    if not _is_number(value):
+        return [f"{key} is {value!r}: it must be {kind} >= 0"]
+    if integer and not isinstance(value, int):
+        if float(value).is_integer():
+            return []
+        return [f"{key} is {value!r}: it must be {kind}, e.g. {int(value)}"]
+    if value < 0:
+        return [f"{key} is {value!r}: it must be >= 0"]
+    return []
+
+
+# --------------------------------------------------------------------------- fold and cost
+
+
+def weighted_blocks(hit: TierCounts, cfg: KvAffinityConfig) -> float:
+    return hit.npu_blocks * cfg.w_npu + hit.cpu_blocks * cfg.w_cpu + hit.disk_blocks * cfg.w_disk
+
+
+def matched_tokens(hit: TierCounts | None, cfg: KvAffinityConfig, isl: int) -> int:
+    """Motor's ``min(round(weighted_blocks * block_size), isl)``; 0 without a hit."""
+    if hit is None:
+        return 0
+    return min(round(weighted_blocks(hit, cfg) * cfg.block_size), isl)
+
+
+def prefill_cost(matched: int, cfg: KvAffinityConfig, isl: int) -> float:
+    return max(0.0, isl - cfg.overlap_credit * matched)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldedHit:
+    """The best engine rank of one instance and that rank's own tier split."""
+
+    dp_rank: int
+    npu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+    weighted: float
+
+    @property
+    def total_blocks(self) -> int:
+        return self.npu_blocks + self.cpu_blocks + self.disk_blocks
+
+
+def fold_engine_dps(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> FoldedHit | None:
+    """The rank with the longest weighted hit; ``None`` when no rank holds any block.
+
+    Ties on the weighted hit go to the rank with more NPU blocks (a hit already in HBM
+    needs no load-back), then more blocks overall, then the lower rank (deterministic).
+    One rank's figures are reported as they are: blocks held by different ranks are never
+    added up, because a request runs on one rank.
+    """
+    best: FoldedHit | None = None
+    best_key: tuple[float, int, int, int] | None = None
+    for rank, hit in hits.items():
+        total = hit.npu_blocks + hit.cpu_blocks + hit.disk_blocks
+        if total <= 0:
+            continue
+        weighted = weighted_blocks(hit, cfg)
+        key = (weighted, hit.npu_blocks, total, -rank)
+        if best_key is None or key > best_key:
+            best_key = key
+            best = FoldedHit(rank, hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks, weighted)
+    return best
+
+
+# --------------------------------------------------------------------------- decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A prefill instance (one HTTP endpoint) and its live load in Motor's token units."""
+
+    instance_id: str
+    load: float
+    endpoint: Union[str, None] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateScore:
+    """One candidate's figures; tier fields are tokens (blocks * block_size).
+
+    ``score`` is the unified formula's value in both modes (load_gated ranks by
+    ``(-matched, load)`` among the ``gate_topn`` least loaded; the rest are ``gated_out``).
+    """
+
+    instance_id: str
+    endpoint: Union[str, None]
+    load: float
+    dp_rank: Union[int, None]
+    matched: int
+    hbm: int
+    cpu: int
+    disk: int
+    prefill_cost: float
+    score: float
+    gated_out: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Where one request goes and why, as Motor logs it.
+
+    ``dp_rank`` is the engine rank to pin (``routed_dp_rank`` / ``X-Data-Parallel-Rank``);
+    ``None`` lets the engine's DP controller choose (no hit, or load balance).
+    ``matched``/``hbm``/``cpu``/``disk`` are ``None`` under ``load_balance``, like Motor's log.
+    """
+
+    instance_id: str
+    dp_rank: Union[int, None]
+    policy: str
+    matched: Union[int, None]
+    hbm: Union[int, None]
+    cpu: Union[int, None]
+    disk: Union[int, None]
+    score: Union[float, None]
+    load: float
+    reason: Union[str, None] = None
+    endpoint: Union[str, None] = None
+    isl: int = 0
+    mode: str = "unified"
+    fast_path: bool = False
+    candidates: tuple[CandidateScore, ...] = ()
+
+    def log_line(self, role: str = "prefill", req_id: str = "-") -> str:
+        fields: list[tuple[str, object]] = [
+            ("role", role),
+            ("req_id", req_id),
+            ("instance", self.instance_id),
+        ]
+        if self.endpoint is not None:
+            fields.append(("endpoint", self.endpoint))
+        fields += [
+            ("policy", self.policy),
+            ("matched", self.matched),
+            ("hbm", self.hbm),
+            ("cpu", self.cpu),
+            ("disk", self.disk),
+            ("dp_rank", self.dp_rank),
+            ("load", self.load),
+            ("score", self.score),
+        ]
+        if self.fast_path:
+            fields.append(("fast_path", True))
+        if self.reason is not None:
+            fields.append(("reason", f'"{self.reason}"' if " " in self.reason else self.reason))
+        return "scheduled " + " ".join(f"{key}={value}" for key, value in fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["candidates"] = [dataclasses.asdict(c) for c in self.candidates]
+        return data
+
+
+def select(
+    cfg: KvAffinityConfig,
+    candidates: Sequence[Candidate],
+    hits_by_instance: Mapping[str, Mapping[int, TierCounts]] | None,
+    isl: int,
+) -> Decision:
+    """Motor's kv_cache_affinity choice among ``candidates`` for a prompt of ``isl`` tokens.
+
+    ``hits_by_instance`` holds an entry (possibly empty: known, no hit) for every instance
+    the index knows; a candidate without an entry is skipped, as Motor skips an instance
+    the conductor does not list. ``None`` means no index data at all. Falls back to
+    load_balance (least loaded, first on ties) when there are no tokens, no index data
+    for any candidate, or the best hit rate is at or below ``hit_rate_threshold``. A prompt
+    shorter than one block skips the index (Motor's fast path: all-zero matches, still
+    ranked by load, policy kv_cache_affinity). All-zero matches do not fall back.
+    """
+    if not candidates:
+        raise ValueError("select needs at least one candidate")
+    if isl <= 0:
+        return _load_balance(cfg, candidates, isl, "no token ids")
+    fast_path = isl < cfg.block_size
+    if fast_path:
+        scored = [_score(cfg, c, None, isl) for c in candidates]
+    else:
+        if hits_by_instance is None:
+            return _load_balance(cfg, candidates, isl, "no index data")
+        known = [c for c in candidates if c.instance_id in hits_by_instance]
+        if not known:
+            return _load_balance(cfg, candidates, isl, "no index data for any candidate")
+        scored = [_score(cfg, c, fold_engine_dps(hits_by_instance[c.instance_id], cfg), isl) for c in known]
+    if cfg.hit_rate_threshold > 0:
+        hit_rate = max(s.matched for s in scored) / isl
+        if hit_rate <= cfg.hit_rate_threshold:
+            reason = f"hit rate {hit_rate:.3f} <= hit_rate_threshold {cfg.hit_rate_threshold}"
+            return _load_balance(cfg, candidates, isl, reason)
+    ranked = _rank(cfg, scored)
+    best = ranked[0]
+    return Decision(
+        instance_id=best.instance_id,
+        dp_rank=best.dp_rank,
+        policy=POLICY_AFFINITY,
+        matched=best.matched,
+        hbm=best.hbm,
+        cpu=best.cpu,
+        disk=best.disk,
+        score=best.score,
+        load=best.load,
+        reason="prompt shorter than one block" if fast_path else None,
+        endpoint=best.endpoint,
+        isl=isl,
+        mode=cfg.mode,
+        fast_path=fast_path,
+        candidates=tuple(ranked),
+    )
+
+
+def _score(cfg: KvAffinityConfig, cand: Candidate, folded: FoldedHit | None, isl: int) -> CandidateScore:
+    matched = matched_tokens(folded, cfg, isl)
+    cost = prefill_cost(matched, cfg, isl)
+    bs = cfg.block_size
+    return CandidateScore(
+        instance_id=cand.instance_id,
+        endpoint=cand.endpoint,
+        load=cand.load,
+        # Pinning a rank only pays when the weighted hit is worth something.
+        dp_rank=folded.dp_rank if folded is not None and matched > 0 else None,
+        matched=matched,
+        hbm=folded.npu_blocks * bs if folded else 0,
+        cpu=folded.cpu_blocks * bs if folded else 0,
+        disk=folded.disk_blocks * bs if folded else 0,
+        prefill_cost=cost,
+        score=cfg.prefill_load_scale * cost + cfg.load_weight * cand.load,
+    )
+
+
+def _rank(cfg: KvAffinityConfig, scored: list[CandidateScore]) -> list[CandidateScore]:
+    """Best first; Python's stable sort keeps candidate order on ties, as Motor's does."""
+    if cfg.mode == "unified":
+        return sorted(scored, key=lambda s: s.score)
+    gate = set(sorted(range(len(scored)), key=lambda i: scored[i].load)[: cfg.gate_topn])
+    kept = [s for i, s in enumerate(scored) if i in gate]
+    dropped = [dataclasses.replace(s, gated_out=True) for i, s in enumerate(scored) if i not in gate]
+    return sorted(kept, key=lambda s: (-s.matched, s.load)) + sorted(dropped, key=lambda s: s.load)
+
+
+def _load_balance(cfg: KvAffinityConfig, candidates: Sequence[Candidate], isl: int, reason: str) -> Decision:
+    best = min(candidates, key=lambda c: c.load)  # min keeps the first on ties
+    return Decision(
+        instance_id=best.instance_id,
+        dp_rank=None,
+        policy=POLICY_LOAD_BALANCE,
+        matched=None,
+        hbm=None,
+        cpu=None,
+        disk=None,
+        score=None,
+        load=best.load,
+        reason=reason,
+        endpoint=best.endpoint,
+        isl=isl,
+        mode=cfg.mode,
+    )
+
+
+# --------------------------------------------------------------------------- conductor view
+
+
+def conductor_response(
+    hits_by_instance: Mapping[str, Mapping[int, TierCounts]],
+    registered_dps: Mapping[str, Iterable[int]] | None,
+    block_size: int,
+    tenant: str = "default",
+    fold: bool = True,
+    cfg: KvAffinityConfig | None = None,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """kv-conductor's ``/query`` body: ``{tenant: {instance: {"longest_matched", "DP": {...}}}}``.
+
+    Every registered dp is listed, zeros included, as the conductor lists registered DPs.
+    With ``fold`` and an instance registered under ONE dp (Motor registers dp 0 for the
+    single endpoint of an SGLang instance), the engine ranks are folded into that key and
+    ``engine_dp_rank`` names the rank the figures belong to. Otherwise each registered dp
+    reports the engine rank of the same number (vLLM-style one endpoint per rank, or an
+    engine without the plugin registered per rank). ``matched_tokens`` is unweighted
+    (conductor semantics: Motor applies its weights); the fold picks the rank with
+    ``cfg``'s weights (Motor's defaults without one). Without ``registered_dps`` every
+    instance with hits is listed, under dp 0 when folding, else under its engine ranks.
+    """
+    weights = cfg or KvAffinityConfig(block_size=block_size)
+    instances = list(registered_dps) if registered_dps is not None else list(hits_by_instance)
+    out: dict[str, dict[str, Any]] = {}
+    for instance in instances:
+        hits = hits_by_instance.get(instance, {})
+        dps = _listed_dps(instance, hits, registered_dps, fold)
+        entries: dict[str, dict[str, Any]] = {}
+        if fold and len(dps) == 1:
+            folded = fold_engine_dps(hits, weights)
+            entries[str(dps[0])] = _dp_entry(folded, folded.dp_rank if folded else None, block_size)
+        else:
+            for dp in dps:
+                entries[str(dp)] = _dp_entry(hits.get(dp), dp, block_size)
+        longest = max((e["matched_tokens"] for e in entries.values()), default=0)
+        out[instance] = {"longest_matched": longest, "DP": entries}
+    return {tenant: out}
+
+
+def _listed_dps(
+    instance: str, hits: Mapping[int, TierCounts], registered_dps: Mapping[str, Iterable[int]] | None, fold: bool
+) -> list[int]:
+    if registered_dps is not None:
+        return sorted(set(registered_dps[instance]))
+    return [0] if fold else sorted(hits)
+
+
+def _dp_entry(hit: TierCounts | None, engine_rank: int | None, block_size: int) -> dict[str, Any]:
+    npu, cpu, disk = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks) if hit is not None else (0, 0, 0)
+    return {
+        "matched_tokens": (npu + cpu + disk) * block_size,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+        "engine_dp_rank": engine_rank,
+    }

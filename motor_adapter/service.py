@@ -1,0 +1,723 @@
+"""A kv-conductor-compatible HTTP service: Motor enables affinity by configuration alone.
+
+Point Motor's ``kv_conductor_config.conductor_service`` / ``http_server_port`` at it.
+Endpoints (``motor-conductor.md`` section 4): ``POST /register``, ``/unregister``,
+``/query`` (JSON or msgpack body), ``/query_by_hash``; ``GET /workers``, ``/health``,
+``/metrics``; ours: ``POST /select`` (Motor's decision + log line) and ``/explain``.
+
+State: one :class:`~motor_adapter.affinity.KvAffinity` (one prefix index) per
+``(model, tenant, block_size)``; one subscription per distinct stream URL in it, shared by
+every registration naming that URL. ``/query`` lists every registered dp of the model,
+zeros included (conductor semantics), with a fanned-in instance's engine ranks folded
+into its registered dp and ``engine_dp_rank`` naming the rank that holds the prefix.
+
+Request bodies are bounded, decoded with msgspec (JSON or msgpack, never pickle), and a
+bad one gets a 4xx JSON ``{"error", "detail"}`` and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+import msgspec
+from aiohttp import web
+
+from motor_adapter import metrics
+from motor_adapter.affinity import KvAffinity, decision_logger
+from motor_adapter.motor import (
+    DEFAULT_TENANT,
+    Registration,
+    RegistrationError,
+    Unregistration,
+    parse_registration,
+    parse_unregistration,
+)
+from motor_adapter.scoring import (
+    Candidate,
+    ConfigError,
+    KvAffinityConfig,
+    TierCounts,
+    conductor_response,
+    fold_engine_dps,
+    select,
+)
+from sglang_kvpub.hashing import chain_hashes
+
+__all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
+
+log = logging.getLogger(__name__)
+
+_U32_MAX = 0xFFFFFFFF
+_U64_MASK = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+AffinityFactory = Callable[[KvAffinityConfig, Union[int, None]], KvAffinity]
+Hits = dict[str, dict[int, TierCounts]]
+
+
+class RequestError(Exception):
+    """A request we refuse: HTTP ``status``, a stable ``reason`` and a human ``detail``."""
+
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 13333
+    max_body_bytes: int = 8 << 20
+    auth_token: Union[str, None] = None  # bearer token for /register and /unregister
+    kv_affinity: KvAffinityConfig = dataclasses.field(default_factory=KvAffinityConfig)
+    capacity_blocks: Union[int, None] = None
+    tokenizer_path: Union[str, None] = None  # for every model without its own entry
+    tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    trust_remote_code: bool = False
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServiceConfig:
+        """Reads the ``--config`` JSON; ``kv_affinity`` may be ours or a whole Motor user config."""
+        env = os.environ if env is None else env
+        known = {f.name for f in dataclasses.fields(cls)} | {"tokenizer", "motor_config"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError([f"unknown service setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
+        values = {k: v for k, v in data.items() if k in known - {"tokenizer", "motor_config", "kv_affinity"}}
+        tokenizer = data.get("tokenizer")
+        if isinstance(tokenizer, Mapping):
+            values.setdefault("tokenizer_path", tokenizer.get("path"))
+            values.setdefault("trust_remote_code", bool(tokenizer.get("trust_remote_code", False)))
+        elif isinstance(tokenizer, str):
+            values.setdefault("tokenizer_path", tokenizer)
+        source = data.get("motor_config") or data.get("kv_affinity")
+        if isinstance(source, str):
+            with open(source, encoding="utf-8") as handle:
+                source = json.load(handle)
+        if source is not None:
+            values["kv_affinity"] = KvAffinityConfig.from_motor(source)
+        if not values.get("auth_token") and env.get(TOKEN_ENV):
+            values["auth_token"] = env[TOKEN_ENV]
+        return cls(**values)
+
+    @classmethod
+    def from_file(cls, path: str, env: Mapping[str, str] | None = None) -> ServiceConfig:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if not isinstance(data, Mapping):
+            raise ConfigError([f"{path}: expected a JSON object"])
+        return cls.from_mapping(data, env)
+
+
+# --------------------------------------------------------------------------- request fields
+
+
+def _field_str(body: Mapping[str, Any], key: str, default: Union[str, None] = None) -> str:
+    value = body.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise RequestError(400, "bad_field", f"{key} must be a non-empty string")
+    return value
+
+
+def _field_block_size(body: Mapping[str, Any], default: int) -> int:
+    value = body.get("block_size", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
+        raise RequestError(400, "bad_field", f"block_size must be a positive integer, got {value!r}")
+    return value
+
+
+def token_ids_of(value: Any) -> list[int]:
+    """Validated token ids: integers in [0, 2^32) (the conductor hashes them as u32)."""
+    if not isinstance(value, list):
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers, got {type(value).__name__}")
+    for token in value:
+        if type(token) is not int or not 0 <= token <= _U32_MAX:
+            raise RequestError(400, "bad_field", f"token_ids must hold integers in [0, 2^32), found {token!r}")
+    return value
+
+
+def block_hashes_of(value: Any) -> list[int]:
+    """Local block hashes as u64 (signed int64 accepted and reinterpreted)."""
+    if not isinstance(value, list):
+        raise RequestError(400, "bad_field", "block_hashes must be a list of integers")
+    out: list[int] = []
+    for item in value:
+        if type(item) is not int or not _I64_MIN <= item <= _U64_MASK:
+            raise RequestError(400, "bad_field", f"block_hashes must hold 64-bit integers, found {item!r}")
+        out.append(item & _U64_MASK)
+    return out
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclasses.dataclass
+class _Index:
+    affinity: KvAffinity
+    users: dict[str, set[tuple[str, str, str, int]]]  # stream URL -> registration keys
+
+
+def _source(reg: Registration) -> tuple[Any, ...]:
+    """What a subscription depends on: equal sources share one subscriber and its index."""
+    return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
+
+
+class AdapterState:
+    """Registrations, indexes and tokenizers; the HTTP layer is a thin shell around it."""
+
+    def __init__(self, config: ServiceConfig, affinity_factory: AffinityFactory | None = None) -> None:
+        self.config = config
+        self._factory: AffinityFactory = affinity_factory or (lambda cfg, cap: KvAffinity(cfg, cap))
+        self._lock = threading.RLock()  # registrations may change while queries read them
+        self._registrations: dict[tuple[str, str, str, int], Registration] = {}
+        self._indexes: dict[tuple[str, str, int], _Index] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self.metrics = _Metrics()
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, reg: Registration) -> dict[str, Any]:
+        """Adds or replaces one ``(instance_id, dp_rank)``; the same registration again is a no-op."""
+        with self._lock:
+            old = self._registrations.get(reg.key)
+            if old is not None and old.same_as(reg):
+                return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
+            self._registrations[reg.key] = reg
+            if old is None or _source(old) != _source(reg):
+                # Same stream (e.g. Motor's pool-mode re-registration repeating the URL under
+                # cpu/disk): the record changes, the subscription and its index stay.
+                if old is not None:
+                    self._detach(old)
+                self._attach(reg)
+        for warning in reg.warnings:
+            log.warning("register %s dp %d: %s", reg.instance_id, reg.dp_rank, warning)
+        log.info(
+            "registered %s dp %d model=%s tenant=%s block_size=%d stream=%s mode=%s",
+            reg.instance_id, reg.dp_rank, reg.model, reg.tenant, reg.block_size, reg.stream, reg.mode,
+        )  # fmt: skip
+        self.metrics.registrations.inc(changed=str(old is not None).lower())
+        return {"status": "ok", "changed": True, "warnings": list(reg.warnings)}
+
+    def _attach(self, reg: Registration) -> None:
+        index_key = (reg.model, reg.tenant, reg.block_size)
+        entry = self._indexes.get(index_key)
+        if entry is None:
+            cfg = dataclasses.replace(self.config.kv_affinity, block_size=reg.block_size)
+            entry = self._indexes[index_key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
+        if reg.stream is None:
+            return
+        users = entry.users.setdefault(reg.stream, set())
+        users.add(reg.key)
+        # Idempotent for the same source; a different mode or replay URL replaces the subscription.
+        entry.affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
+
+    def _detach(self, reg: Registration) -> None:
+        entry = self._indexes.get((reg.model, reg.tenant, reg.block_size))
+        if entry is None or reg.stream is None:
+            return
+        users = entry.users.get(reg.stream)
+        if users is None:
+            return
+        users.discard(reg.key)
+        if not users:  # the last registration naming this URL: stop following it
+            del entry.users[reg.stream]
+            entry.affinity.remove_instance(reg.stream)
+
+    def unregister(self, unreg: Unregistration) -> int:
+        with self._lock:
+            gone = [
+                reg
+                for key, reg in self._registrations.items()
+                if reg.instance_id == unreg.instance_id
+                and reg.tenant == unreg.tenant
+                and (unreg.dp_rank is None or reg.dp_rank == unreg.dp_rank)
+                and (unreg.model is None or reg.model == unreg.model)
+            ]
+            for reg in gone:
+                del self._registrations[reg.key]
+                self._detach(reg)
+        return len(gone)
+
+    def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]:
+        with self._lock:
+            return [
+                r
+                for r in self._registrations.values()
+                if (model is None or r.model == model) and (tenant is None or r.tenant == tenant)
+            ]
+
+    def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None:
+        with self._lock:
+            entry = self._indexes.get((model, tenant, block_size))
+            return entry.affinity if entry else None
+
+    def close(self) -> None:
+        with self._lock:
+            entries = list(self._indexes.values())
+            self._indexes.clear()
+            self._registrations.clear()
+        for entry in entries:
+            entry.affinity.close()
+
+    # ------------------------------------------------------------------ queries
+
+    def instance_hits(
+        self, model: str, tenant: str, block_size: int, fetch: Callable[[KvAffinity], Mapping[str, Any]]
+    ) -> tuple[Hits, dict[str, list[int]], list[Registration]]:
+        """Per registered instance its hits (engine ranks, or registered dps when it has several).
+
+        Raises 404 ``NoIndexer`` when nothing is registered for ``(model, tenant)``.
+        """
+        regs = self.registrations(model, tenant)
+        if not regs:
+            raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
+        aff = self.affinity(model, tenant, block_size)
+        raw = fetch(aff) if aff is not None else {}
+        groups: dict[str, list[Registration]] = {}
+        for reg in regs:
+            groups.setdefault(reg.instance_id, []).append(reg)
+        hits: Hits = {}
+        dps: dict[str, list[int]] = {}
+        for instance, members in groups.items():
+            dps[instance] = sorted(r.dp_rank for r in members)
+            usable = [(r, r.stream) for r in members if r.block_size == block_size and r.stream is not None]
+            if len(members) == 1:
+                hits[instance] = dict(raw.get(usable[0][1], {})) if usable else {}
+                continue
+            per_dp: dict[int, TierCounts] = {}
+            for reg, stream in usable:  # several endpoints: each registered dp reports its own stream's best rank
+                folded = fold_engine_dps(raw.get(stream, {}), self.config.kv_affinity)
+                if folded is not None:
+                    per_dp[reg.dp_rank] = folded
+            hits[instance] = per_dp
+        return hits, dps, regs
+
+    def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
+        started = time.perf_counter()
+        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
+        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
+        self.metrics.observe_query(model, response[tenant], len(token_ids) // block_size, started, block_size)
+        return response
+
+    def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
+        started = time.perf_counter()
+        keys = chain_hashes(local_hashes)
+        hits, dps, _ = self.instance_hits(
+            model, tenant, block_size, lambda aff: aff.index.query_keys(keys, instances=aff.instances())
+        )
+        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
+        self.metrics.observe_query(model, response[tenant], len(keys), started, block_size)
+        return response
+
+    def select(
+        self,
+        model: str,
+        tenant: str,
+        block_size: int,
+        candidates: Sequence[Candidate],
+        token_ids: Sequence[int],
+    ) -> Any:
+        """Motor's decision; instances without a single hit block count as absent (cold -> load_balance)."""
+        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        hits: Hits | None = None
+        if len(token_ids) >= block_size:
+            try:
+                found, _, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
+            except RequestError:
+                found = {}
+            hits = {
+                i: h for i, h in found.items() if any(x.npu_blocks + x.cpu_blocks + x.disk_blocks for x in h.values())
+            }
+        decision = select(cfg, candidates, hits or None, len(token_ids))
+        if decision.reason in ("no index data", "no index data for any candidate"):
+            decision = dataclasses.replace(decision, reason="no prefix hit on any candidate")
+        return decision
+
+    # ------------------------------------------------------------------ tokenizers
+
+    def tokenizer_for(self, model: str) -> Any:
+        path = self.config.tokenizers.get(model) or self.config.tokenizer_path
+        if not path:
+            raise RequestError(
+                400, "no_tokenizer", "prompt/messages need a tokenizer: set tokenizer_path (or tokenizers) in --config"
+            )
+        with self._lock:
+            tok = self._tokenizers.get(path)
+        if tok is None:
+            from motor_adapter.tokenize import TokenizerError, load_tokenizer
+
+            try:
+                tok = load_tokenizer(path, trust_remote_code=self.config.trust_remote_code)
+            except TokenizerError as exc:
+                raise RequestError(500, "tokenizer_unavailable", str(exc)) from exc
+            with self._lock:
+                self._tokenizers[path] = tok
+        return tok
+
+    def tokens_of(self, model: str, body: Mapping[str, Any]) -> list[int]:
+        """``token_ids`` as given, else ``prompt``/``messages`` through the model's tokenizer."""
+        if body.get("token_ids") is not None:
+            return token_ids_of(body["token_ids"])
+        if body.get("prompt") is None and body.get("messages") is None:
+            raise RequestError(400, "bad_field", "the body needs token_ids, prompt or messages")
+        from motor_adapter.tokenize import TokenizerError, encode_request
+
+        tok = self.tokenizer_for(model)
+        try:
+            return encode_request(tok, body)
+        except TokenizerError as exc:
+            raise RequestError(400, "bad_prompt", str(exc)) from exc
+        except Exception as exc:  # a chat template may raise anything on odd input
+            raise RequestError(400, "bad_prompt", f"{type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ views
+
+    def workers(self) -> dict[str, Any]:
+        regs = self.registrations()
+        health = self.stream_health()
+        grouped: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for reg in sorted(regs, key=lambda r: r.key):
+            worker = grouped.setdefault(
+                (reg.tenant, reg.model, reg.instance_id),
+                {
+                    "instance_id": reg.instance_id,
+                    "model_name": reg.model,
+                    "tenant_id": reg.tenant,
+                    "block_size": reg.block_size,
+                    "endpoints": {},
+                    "health": {},
+                },
+            )
+            worker["endpoints"][str(reg.dp_rank)] = reg.worker_endpoint()
+            if reg.stream is not None:
+                worker["health"][str(reg.dp_rank)] = [
+                    _as_dict(h) for h in health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
+                ]
+        return {"workers": list(grouped.values())}
+
+    def stream_health(self) -> dict[tuple[str, str, int, str], list[Any]]:
+        with self._lock:
+            entries = list(self._indexes.items())
+        out: dict[tuple[str, str, int, str], list[Any]] = {}
+        for (model, tenant, block_size), entry in entries:
+            for stream, healths in entry.affinity.health().items():
+                out[(model, tenant, block_size, stream)] = list(healths)
+        return out
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.stream_health(), self.registrations())
+
+
+# --------------------------------------------------------------------------- metrics
+
+_STREAM_FIELDS = (
+    ("batches", "counter", "Batches applied from the stream (heartbeats included)"),
+    ("events", "counter", "KV events applied"),
+    ("gaps", "counter", "Sequence gaps detected"),
+    ("replays", "counter", "Gaps filled by a replay"),
+    ("snapshots", "counter", "Snapshots applied"),
+    ("decode_errors", "counter", "Payloads that failed to decode"),
+    ("dropped_block_size", "counter", "Events dropped for a block_size other than the registered one"),
+    ("restarts", "counter", "Publisher restarts detected"),
+    ("reconnects", "counter", "Reconnections"),
+    ("connected", "gauge", "1 while the stream is live"),
+    ("last_event_age_s", "gauge", "Seconds since the last batch with events"),
+)
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        reg = metrics.Registry()
+        self.registry = reg
+        self.requests = reg.counter("motor_kv_adapter_requests_total", "HTTP requests by path and status")
+        self.bad_requests = reg.counter("motor_kv_adapter_bad_requests_total", "Refused requests by path and reason")
+        self.registrations = reg.counter("motor_kv_adapter_registrations_total", "Registrations that changed state")
+        self.latency = reg.histogram("motor_kv_adapter_query_seconds", "Query latency (index lookup and response)")
+        self.query_blocks = reg.counter("motor_kv_adapter_query_blocks_total", "Full prompt blocks queried")
+        self.hit_blocks = reg.counter(
+            "motor_kv_adapter_query_hit_blocks_total", "Blocks of the best instance's hit, summed over queries"
+        )
+        self.instance_hits = reg.counter(
+            "motor_kv_adapter_instance_hit_blocks_total", "Hit blocks per instance, registered dp, engine rank and tier"
+        )
+
+    def observe_query(
+        self, model: str, instances: Mapping[str, Any], blocks: int, started: float, block_size: int
+    ) -> None:
+        self.latency.observe(time.perf_counter() - started, model=model)
+        self.query_blocks.inc(blocks, model=model)
+        best = 0
+        for instance, entry in instances.items():
+            best = max(best, int(entry["longest_matched"]) // block_size)
+            for dp, fig in entry["DP"].items():
+                if not fig["matched_tokens"]:
+                    continue
+                for tier in ("npu", "cpu", "disk"):
+                    if fig[f"{tier}_blocks"]:
+                        self.instance_hits.inc(
+                            fig[f"{tier}_blocks"],
+                            instance=instance,
+                            dp=dp,
+                            engine_dp_rank=fig.get("engine_dp_rank"),
+                            tier=tier,
+                        )
+        self.hit_blocks.inc(min(best, blocks), model=model)
+
+    def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
+        names: dict[tuple[str, str, int, str], str] = {}
+        for reg in regs:
+            if reg.stream is not None:
+                key = (reg.model, reg.tenant, reg.block_size, reg.stream)
+                names[key] = ",".join(sorted(filter(None, {names.get(key, ""), f"{reg.instance_id}/{reg.dp_rank}"})))
+        extra: list[metrics.Gauge] = []
+        ratio = metrics.Gauge("motor_kv_adapter_query_hit_ratio", "Hit blocks / queried blocks since start")
+        for labels, total in self.query_blocks._values.items():
+            model = dict(labels)["model"]
+            ratio.set(self.hit_blocks.value(model=model) / total if total else 0.0, model=model)
+        extra.append(ratio)
+        for field, kind, help_text in _STREAM_FIELDS:
+            gauge = metrics.Gauge(
+                f"motor_kv_adapter_stream_{field}" + ("_total" if kind == "counter" else ""), help_text
+            )
+            gauge.kind = kind
+            for key, healths in health.items():
+                for h in healths:
+                    value = getattr(h, field, None)
+                    if value is None:
+                        continue
+                    rank = getattr(h, "dp_rank_override", None)
+                    gauge.set(
+                        float(value),
+                        model=key[0],
+                        tenant=key[1],
+                        stream=getattr(h, "endpoint", key[3]),
+                        registrations=names.get(key, ""),
+                        dp_rank="all" if rank is None else rank,
+                    )
+            extra.append(gauge)
+        return self.registry.render(extra)
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _as_dict(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+def _error(status: int, reason: str, detail: str) -> web.Response:
+    return web.json_response({"error": reason, "detail": detail}, status=status)
+
+
+class _Handlers:
+    def __init__(self, state: AdapterState) -> None:
+        self.state = state
+        self.config = state.config
+        self._json = msgspec.json.Decoder()
+        self._msgpack = msgspec.msgpack.Decoder()
+        self._register_lock = asyncio.Lock()
+
+    async def body(self, request: web.Request) -> dict[str, Any]:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise RequestError(413, "body_too_large", f"{request.content_length} bytes > limit {limit}")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
+        if len(raw) > limit:
+            raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
+        is_msgpack = request.content_type in MSGPACK_TYPES
+        try:
+            data = self._msgpack.decode(raw) if is_msgpack else self._json.decode(raw)
+        except msgspec.DecodeError as exc:
+            kind = "msgpack" if is_msgpack else "JSON"
+            raise RequestError(400, f"invalid_{kind.lower()}", f"the body is not valid {kind}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise RequestError(400, "bad_body", f"the body must be an object, got {type(data).__name__}")
+        return data
+
+    def authorize(self, request: web.Request) -> None:
+        token = self.config.auth_token
+        if not token:
+            return
+        given = request.headers.get("Authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), token.encode())):
+            raise RequestError(401, "unauthorized", "this endpoint needs Authorization: Bearer <token>")
+
+    async def register(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        body = await self.body(request)
+        try:
+            reg = parse_registration(body)
+        except RegistrationError as exc:
+            raise RequestError(400, "bad_registration", str(exc)) from exc
+        async with self._register_lock:  # starting/stopping subscribers joins threads: off the loop
+            result = await asyncio.to_thread(self.state.register, reg)
+        return web.json_response(result)
+
+    async def unregister(self, request: web.Request) -> web.Response:
+        self.authorize(request)
+        body = await self.body(request)
+        try:
+            unreg = parse_unregistration(body)
+        except RegistrationError as exc:
+            raise RequestError(400, "bad_registration", str(exc)) from exc
+        async with self._register_lock:
+            removed = await asyncio.to_thread(self.state.unregister, unreg)
+        if not removed:
+            raise RequestError(404, "InstanceNotFound", f"{unreg.instance_id} dp {unreg.dp_rank} is not registered")
+        return web.json_response({"status": "ok", "removed": removed})
+
+    def _common(self, body: Mapping[str, Any]) -> tuple[str, str, int]:
+        model = _field_str(body, "model")
+        tenant = body.get("tenant_id") or DEFAULT_TENANT
+        if not isinstance(tenant, str):
+            raise RequestError(400, "bad_field", "tenant_id must be a string")
+        return model, tenant, _field_block_size(body, 128)
+
+    async def _tokens(self, model: str, body: Mapping[str, Any]) -> list[int]:
+        if body.get("token_ids") is not None:
+            return token_ids_of(body["token_ids"])
+        return await asyncio.to_thread(self.state.tokens_of, model, body)  # tokenizers are slow
+
+    async def query(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        model, tenant, block_size = self._common(body)
+        tokens = await self._tokens(model, body)
+        return web.json_response(self.state.query(model, tenant, block_size, tokens))
+
+    async def query_by_hash(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        model, tenant, block_size = self._common(body)
+        hashes = block_hashes_of(body.get("block_hashes"))
+        return web.json_response(self.state.query_by_hash(model, tenant, block_size, hashes))
+
+    async def select(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        model, tenant, _ = self._common(body)
+        block_size = _field_block_size(body, self.config.kv_affinity.block_size)
+        candidates = _candidates(body.get("candidates"))
+        tokens = await self._tokens(model, body)
+        decision = self.state.select(model, tenant, block_size, candidates, tokens)
+        line = decision.log_line(role=str(body.get("role", "prefill")), req_id=str(body.get("req_id", "-")))
+        decision_logger.info("%s", line)
+        return web.json_response({**decision.to_dict(), "log_line": line})
+
+    async def explain(self, request: web.Request) -> web.Response:
+        from motor_adapter.explain import explain
+
+        body = await self.body(request)
+        model, tenant, block_size = self._common(body)
+        tokens: list[int] | None = None
+        tokenizer_error: str | None = None
+        try:
+            tokens = await self._tokens(model, body)
+        except RequestError as exc:
+            if body.get("token_ids") is not None:
+                raise
+            tokenizer_error = exc.detail
+        bos = body.get("bos_token_id")
+        if not isinstance(bos, int) or isinstance(bos, bool):
+            bos = None
+        if bos is None and body.get("token_ids") is None and tokens is not None:
+            bos = getattr(self.state.tokenizer_for(model), "bos_token_id", None)
+        report = await asyncio.to_thread(
+            explain,
+            self.state,
+            model,
+            tenant,
+            block_size,
+            tokens or [],
+            tokenizer_error=tokenizer_error,
+            bos_token_id=bos,
+        )
+        return web.json_response(report)
+
+    async def workers(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state.workers())
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.state.render_metrics(), content_type="text/plain", charset="utf-8")
+
+
+def _candidates(value: Any) -> list[Candidate]:
+    if not isinstance(value, list) or not value:
+        raise RequestError(400, "bad_field", "candidates must be a non-empty list of {instance_id, load}")
+    out: list[Candidate] = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
+            raise RequestError(400, "bad_field", f"each candidate needs a string instance_id, got {item!r}")
+        load = item.get("load", 0)
+        if isinstance(load, bool) or not isinstance(load, (int, float)) or load < 0:
+            raise RequestError(400, "bad_field", f"candidate load must be a number >= 0, got {load!r}")
+        endpoint = item.get("endpoint")
+        out.append(Candidate(item["instance_id"], float(load), endpoint if isinstance(endpoint, str) else None))
+    return out
+
+
+def build_app(state: AdapterState) -> web.Application:
+    handlers = _Handlers(state)
+    metric = state.metrics
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unknown"
+        try:
+            response: web.StreamResponse = await handler(request)
+        except RequestError as exc:
+            metric.bad_requests.inc(path=path, reason=exc.reason)
+            log.info("%s %s refused: %s", request.method, path, exc)
+            response = _error(exc.status, exc.reason, exc.detail)
+        except web.HTTPException as exc:  # 404/405 from routing
+            metric.bad_requests.inc(path=path, reason=f"http_{exc.status}")
+            response = _error(exc.status, exc.reason or "error", exc.text or "")
+        metric.requests.inc(path=path, status=response.status)
+        return response
+
+    # aiohttp enforces the limit too (chunked bodies); ours gives the JSON message.
+    app = web.Application(middlewares=[errors], client_max_size=state.config.max_body_bytes + 1)
+    app.router.add_post("/register", handlers.register)
+    app.router.add_post("/unregister", handlers.unregister)
+    app.router.add_post("/query", handlers.query)
+    app.router.add_post("/query_by_hash", handlers.query_by_hash)
+    app.router.add_post("/select", handlers.select)
+    app.router.add_post("/explain", handlers.explain)
+    app.router.add_get("/workers", handlers.workers)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+
+    async def close_state(app: web.Application) -> None:
+        await asyncio.to_thread(state.close)
+
+    app.on_cleanup.append(close_state)
+    return app
+
+
+def run_server(config: ServiceConfig) -> None:
+    """Serves until interrupted (``motor-kv-adapter serve``)."""
+    state = AdapterState(config)
+    web.run_app(build_app(state), host=config.host, port=config.port, access_log=None, print=None)

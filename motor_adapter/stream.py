@@ -1,0 +1,628 @@
+"""Router-side subscriber of one KV-event stream: the only writer of its slice of the index.
+
+Two kinds of source:
+
+* the **instance stream** of our fan-in: every batch carries ``dp_rank``; ``seq`` is
+  ``epoch << 40 | counter`` so a restarted fan-in is recognisable; empty batches are
+  heartbeats (about one per second); the replay ROUTER answers snapshots.
+* **compatibility mode** (an engine without the plugin): one subscriber per SGLang rank
+  port (base+rank) with ``dp_rank_override=rank``; plain SGLang ``seq`` restarts at 0 with
+  every publisher start, has no epoch bits and no heartbeats, and its replay ROUTER ignores
+  snapshot requests.  Without heartbeats liveness cannot be enforced: such a stream is
+  never reconnected by us (ZMQ itself still reconnects the TCP connection), and
+  ``connected`` only means that a message has arrived since the socket was opened.
+
+One background thread per subscriber owns every socket and every index write for its
+scope (the whole instance, or one rank in compatibility mode).  Its state machine:
+
+* ``seq == last + 1``: apply.  ``seq <= last`` (already applied through a replay): skip.
+* ``seq > last + 1``: a gap.  Replay from ``last + 1`` over a DEALER (SGLang 0.5.23
+  protocol, 2-frame replies accepted) while live messages are buffered (bounded), then
+  apply the buffer.  History gone: rebuild - clear the scope, then a snapshot (or, when
+  the endpoint has none, the history it still holds, a subset of the truth).
+* a new epoch, or a seq at or below one already seen on this connection (a restarted
+  plain publisher): the scope is cleared and rebuilt, never mixed.
+* at start and after a reconnect: a snapshot (falling back to a replay of the epoch's
+  whole history), so a late or restarted router reaches the engine's state.
+
+Without a replay endpoint a gap or a restart clears the scope and the next batch becomes
+the new baseline; this is logged loudly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Union
+
+import zmq
+
+from sglang_kvpub import wire
+
+if TYPE_CHECKING:
+    from sglang_kvpub.index import PrefixIndex
+
+__all__ = ["StreamHealth", "StreamOptions", "StreamSubscriber"]
+
+log = logging.getLogger(__name__)
+
+
+class _Item(NamedTuple):
+    """A received batch.  ``batch`` None: the seq was readable but the payload was not; it
+    still consumes its seq, or the same garbage would be replayed forever.  ``digest``
+    tells a late live copy of a replayed batch from a restarted publisher's new batch."""
+
+    seq: int
+    batch: Union[wire.EventBatch, None]
+    digest: int
+
+
+@dataclasses.dataclass
+class StreamHealth:
+    instance_id: str
+    endpoint: str
+    dp_rank_override: int | None
+    connected: bool
+    last_seq: int | None
+    epoch: int | None
+    batches: int  # applied batches, heartbeats included
+    events: int
+    gaps: int
+    replays: int  # gaps filled by a replay
+    replayed_batches: int
+    snapshots: int  # snapshots applied
+    decode_errors: int
+    dropped_block_size: int
+    restarts: int  # publisher restarts detected (new epoch or seq backwards)
+    last_event_age_s: float | None  # since the last batch that carried events
+    reconnects: int
+    apply_errors: int = 0
+    dropped_live: int = 0  # live batches dropped because the buffer was full during a replay
+
+
+_COUNTERS = (
+    "batches",
+    "events",
+    "gaps",
+    "replays",
+    "replayed_batches",
+    "snapshots",
+    "decode_errors",
+    "dropped_block_size",
+    "restarts",
+    "reconnects",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamOptions:
+    """Tuning knobs; the defaults suit the instance stream of our fan-in."""
+
+    liveness_s: float = 5.0
+    # None: enforced on the instance stream, not in compatibility mode (plain SGLang sends none).
+    expect_heartbeats: bool | None = None
+    replay_timeout_s: float = 2.0  # silence allowed between two replay replies
+    live_buffer: int = 10_000  # live batches kept while a replay runs
+    max_replay_batches: int = 1_000_000
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 30.0
+    poll_s: float = 0.05  # bounds how long stop() waits
+    rcvhwm: int = 100_000
+
+
+@dataclasses.dataclass
+class _Fetch:
+    ok: bool  # the end marker arrived
+    replies: list[_Item]
+
+
+class _RateLimitedLog:
+    """At most one warning per key and interval; suppressed ones are counted into the next."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._interval = interval_s
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next.get(key, 0.0):
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return
+        self._next[key] = now + self._interval
+        skipped = self._suppressed.pop(key, 0)
+        suffix = f" ({skipped} similar suppressed)" if skipped else ""
+        log.warning(msg + suffix, *args)
+
+
+class StreamSubscriber:
+    """Subscribes to one stream and keeps ``index`` equal to what the publisher holds."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        endpoint: str,
+        index: PrefixIndex,
+        *,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        dp_rank_override: int | None = None,
+        context: zmq.Context[Any] | None = None,
+        decode_limits: wire.DecodeLimits | None = None,
+        options: StreamOptions | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.dp_rank_override = dp_rank_override
+        self.options = options or StreamOptions()
+        self._index = index
+        self._own_context = context is None
+        self._ctx: zmq.Context[Any] = context or zmq.Context()
+        self._limits = decode_limits or wire.DecodeLimits()
+        self._decoder = wire.BatchDecoder(self._limits)
+        expect = self.options.expect_heartbeats
+        self._expect_heartbeats = (dp_rank_override is None) if expect is None else expect
+        self._rlog = _RateLimitedLog()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sub: zmq.Socket[bytes] | None = None
+        self._poller = zmq.Poller()
+        self._pending: collections.deque[_Item] = collections.deque()
+        # sequence state (thread-owned)
+        self._last: int | None = None  # last seq applied
+        self._live_high: int | None = None  # highest live seq accepted on this connection
+        self._need_sync = False
+        self._snapshot_ok: bool | None = None  # None: not known yet
+        self._gap_key: tuple[int, int] | None = None
+        self._replayed: collections.OrderedDict[int, int] = collections.OrderedDict()  # seq -> payload digest
+        self._warned_no_replay = False
+        # liveness (thread-owned)
+        self._started_at = 0.0
+        self._opened_at = 0.0
+        self._last_msg: float | None = None
+        self._backoff = self.options.backoff_min_s
+        self._next_reconnect: float | None = None
+        # counters (read by health())
+        zero = dict.fromkeys(_COUNTERS, 0)
+        self._c = StreamHealth(
+            instance_id, endpoint, dp_rank_override, False, None, None, last_event_age_s=None, **zero
+        )
+        self._last_event_at: float | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("StreamSubscriber already started")
+        name = f"kv-stream-{self.instance_id}" + ("" if self.dp_rank_override is None else f"-r{self.dp_rank_override}")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("stream %s: thread did not stop within %.1f s", self.endpoint, timeout)
+                return  # its sockets still live in the context: do not terminate it
+        if self._own_context:
+            self._ctx.term()
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def health(self) -> StreamHealth:
+        with self._cond:
+            return self._health_locked()
+
+    def wait_for(self, predicate: Callable[[StreamHealth], bool], timeout: float) -> bool:
+        """Waits until ``predicate(health())`` holds; woken by the thread after each step."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if predicate(self._health_locked()):
+                    return True
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                # bounded slices: connected and ages change with time alone
+                self._cond.wait(min(remaining, 0.1))
+
+    # ------------------------------------------------------------------ health
+
+    def _health_locked(self) -> StreamHealth:
+        now = time.monotonic()
+        health = dataclasses.replace(self._c)
+        health.connected = self._connected(now)
+        last = self._last
+        if last is not None:  # "start of epoch - 1" means nothing of the epoch applied yet
+            health.epoch = wire.seq_epoch(last + 1)
+            health.last_seq = None if wire.seq_counter(last + 1) == 0 else last
+        health.last_event_age_s = None if self._last_event_at is None else now - self._last_event_at
+        return health
+
+    def _connected(self, now: float) -> bool:
+        if self._sub is None or self._last_msg is None or self._last_msg < self._opened_at:
+            return False
+        return not self._expect_heartbeats or now - self._last_msg <= self.options.liveness_s
+
+    def _notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        try:
+            self._started_at = time.monotonic()
+            self._open()
+            if self.replay_endpoint:
+                self._initial_sync()
+            while not self._stop.is_set():
+                try:
+                    self._step()
+                except Exception:  # never let one bad step kill the only writer
+                    self._rlog.warning("step", "stream %s: unexpected error", self.endpoint)
+                    log.debug("stream step failed", exc_info=True)
+                    self._stop.wait(self.options.poll_s)
+        finally:
+            self._close()
+            self._notify()
+
+    def _step(self) -> None:
+        assert self._sub is not None
+        events = dict(self._poller.poll(int(self.options.poll_s * 1000)))
+        if self._sub in events:
+            self._read_live()
+        self._drain()
+        self._check_liveness()
+        self._notify()
+
+    def _open(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.options.rcvhwm)
+        sub.setsockopt(zmq.RECONNECT_IVL, int(self.options.backoff_min_s * 1000))
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.options.backoff_max_s * 1000))
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._poller.register(sub, zmq.POLLIN)
+        self._opened_at = time.monotonic()
+
+    def _close(self) -> None:
+        if self._sub is not None:
+            self._poller.unregister(self._sub)
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def _check_liveness(self) -> None:
+        """Silent past the liveness window: reopen the socket, 100 ms -> 30 s apart."""
+        if not self._expect_heartbeats:
+            return
+        now = time.monotonic()
+        heard = self._last_msg if self._last_msg is not None else self._started_at
+        if now - heard <= self.options.liveness_s:
+            return
+        if self._next_reconnect is None:
+            self._next_reconnect = now + self._backoff
+        if now < self._next_reconnect:
+            return
+        self._rlog.warning("silent", "stream %s: silent for %.1f s, reconnecting", self.endpoint, now - heard)
+        self._close()
+        self._open()
+        self._c.reconnects += 1
+        self._backoff = min(self._backoff * 2, self.options.backoff_max_s)
+        self._next_reconnect = time.monotonic() + self._backoff
+        self._live_high = None  # a new connection: its seqs may start anywhere
+        self._need_sync = bool(self.replay_endpoint)
+
+    # ------------------------------------------------------------------ live input
+
+    def _read_live(self, budget: int = 1024) -> None:
+        assert self._sub is not None
+        for _ in range(budget):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._receive(frames)
+
+    def _receive(self, frames: list[bytes]) -> None:
+        self._last_msg = time.monotonic()
+        self._backoff = self.options.backoff_min_s
+        self._next_reconnect = None
+        try:
+            _topic, seq, payload = wire.parse_live_frames(frames, self._limits.max_payload_bytes)
+        except wire.WireError as exc:
+            self._bad_input("live frame", exc)
+            return
+        self._enqueue(_Item(seq, self._decode(payload), hash(payload)))
+
+    def _decode(self, payload: bytes) -> wire.EventBatch | None:
+        try:
+            return self._decoder.decode(payload)
+        except wire.WireError as exc:
+            self._bad_input("payload", exc)
+            return None
+
+    def _bad_input(self, what: str, exc: wire.WireError) -> None:
+        self._c.decode_errors += 1
+        self._rlog.warning(f"bad:{exc.reason}", "stream %s: skipped a malformed %s: %s", self.endpoint, what, exc)
+
+    def _enqueue(self, item: _Item) -> None:
+        if len(self._pending) >= self.options.live_buffer:
+            self._pending.popleft()  # the gap this leaves is found and replayed later
+            self._c.dropped_live += 1
+            self._rlog.warning("buffer", "stream %s: live buffer full, dropping the oldest batch", self.endpoint)
+        self._pending.append(item)
+
+    def _drain(self) -> None:
+        while self._pending and not self._stop.is_set():
+            self._process(self._pending.popleft())
+
+    # ------------------------------------------------------------------ state machine
+
+    def _process(self, item: _Item) -> None:
+        seq, batch = item.seq, item.batch
+        if self._need_sync:
+            self._need_sync = False
+            self._pending.appendleft(item)
+            self._full_sync(wire.seq_epoch(seq))
+            return
+        empty = batch is None or not batch.events
+        # the expected seq's epoch: ``last`` may be "start of epoch - 1" after an empty history
+        ref = self._last + 1 if self._last is not None else self._live_high
+        if ref is not None and wire.seq_epoch(seq) != wire.seq_epoch(ref):
+            self._restart(item, f"epoch {wire.seq_epoch(ref)} -> {wire.seq_epoch(seq)}")
+            return
+        if self._live_high is not None and seq <= self._live_high:
+            if not empty:  # a repeated heartbeat carries nothing to undo
+                self._restart(item, f"seq went backwards {self._live_high} -> {seq}")
+            return
+        last = self._last
+        if last is not None and seq > last + 1:
+            self._gap(item)
+            return
+        if last is not None and seq <= last and self._replayed.get(seq, item.digest) != item.digest:
+            # not the live copy of what a replay gave: a plain publisher restarted meanwhile
+            self._restart(item, f"seq {seq} reused with other content")
+            return
+        self._live_high = seq
+        if last is None or seq == last + 1:
+            self._apply(seq, batch)
+        # else seq <= last: already applied through a replay or snapshot
+
+    def _apply(self, seq: int, batch: wire.EventBatch | None) -> None:
+        self._last = seq
+        self._c.batches += 1
+        if batch is None or not batch.events:
+            return
+        self._c.events += len(batch.events)
+        self._last_event_at = time.monotonic()
+        try:
+            result = self._index.apply_batch(self.instance_id, batch, dp_rank=self.dp_rank_override)
+        except Exception:
+            self._c.apply_errors += 1
+            self._rlog.warning("apply", "stream %s: index rejected batch %d", self.endpoint, seq)
+            log.debug("apply_batch failed", exc_info=True)
+            return
+        self._c.dropped_block_size += int(getattr(result, "ignored_block_size", 0) or 0)
+
+    def _clear_scope(self) -> None:
+        if self.dp_rank_override is None:
+            self._index.clear_instance(self.instance_id)
+        else:
+            self._index.clear_rank(self.instance_id, self.dp_rank_override)
+        self._last = None
+        self._replayed.clear()
+
+    def _restart(self, item: _Item, reason: str) -> None:
+        self._c.restarts += 1
+        log.warning("stream %s: publisher restarted (%s); rebuilding %s", self.endpoint, reason, self._scope())
+        self._clear_scope()
+        self._live_high = None
+        self._gap_key = None
+        self._pending.appendleft(item)
+        self._full_sync(wire.seq_epoch(item.seq))
+
+    def _gap(self, item: _Item) -> None:
+        assert self._last is not None
+        seq, last = item.seq, self._last
+        self._pending.appendleft(item)
+        key = (seq, last)
+        if self._gap_key == key:  # the previous attempt made no progress: start over from here
+            log.warning("stream %s: gap before %d cannot be filled; continuing from it", self.endpoint, seq)
+            self._clear_scope()
+            return
+        if self._gap_key is None or self._gap_key[0] != seq:
+            self._c.gaps += 1
+        self._gap_key = key
+        if not self.replay_endpoint:
+            self._warn_no_replay()
+            self._clear_scope()
+            return
+        fetch = self._fetch(last + 1, snapshot=False)
+        if fetch.ok and fetch.replies:
+            if _looks_like_snapshot(fetch.replies, last + 1):
+                self._apply_snapshot(fetch.replies)
+                return
+            if fetch.replies[0][0] <= last + 1:
+                self._apply_history(fetch.replies)
+                self._c.replays += 1
+                return
+        self._rlog.warning("lost", "stream %s: replay cannot fill %d..%d; rebuilding", self.endpoint, last + 1, seq - 1)
+        self._rebuild(fetch)
+
+    def _rebuild(self, partial: _Fetch) -> None:
+        """Clears the scope, then reloads it from a snapshot or whatever history is left."""
+        self._clear_scope()
+        if self._snapshot_ok is not False:
+            fetch = self._fetch(0, snapshot=True)
+            if fetch.ok:
+                self._snapshot_ok = True
+                self._apply_snapshot(fetch.replies)
+                return
+        if partial.ok and partial.replies:
+            self._apply_history(partial.replies)  # a subset of the truth: blocks stored and not removed since
+
+    def _initial_sync(self) -> None:
+        """At start: a snapshot; if the endpoint does not answer yet, retry on the first batch."""
+        if not self._full_sync(None):
+            self._need_sync = True
+
+    def _full_sync(self, epoch: int | None) -> bool:
+        """Reloads the scope from a snapshot, else from the epoch's whole history; True if answered."""
+        if not self.replay_endpoint:
+            self._warn_no_replay()
+            return False
+        start = wire.make_seq(epoch or 0, 0)
+        if self._snapshot_ok is not False:
+            fetch = self._fetch(start, snapshot=True)
+            if fetch.ok:
+                self._snapshot_ok = True
+                self._apply_snapshot(fetch.replies)
+                return True
+        fetch = self._fetch(start, snapshot=False)
+        if not fetch.ok:
+            self._rlog.warning("sync", "stream %s: replay endpoint %s silent", self.endpoint, self.replay_endpoint)
+            return False
+        if self._snapshot_ok is None:
+            self._snapshot_ok = False
+            log.info("stream %s: replay endpoint has no snapshots (plain SGLang); using its history", self.endpoint)
+        if fetch.replies and _looks_like_snapshot(fetch.replies, start):
+            self._apply_snapshot(fetch.replies)
+            return True
+        self._clear_scope()
+        if not fetch.replies or fetch.replies[0][0] == start:
+            self._last = start - 1  # complete history: the epoch's first batch comes next
+        else:
+            self._rlog.warning("partial", "stream %s: history from %d only", self.endpoint, fetch.replies[0][0])
+        if fetch.replies:
+            self._apply_history(fetch.replies)
+        return True
+
+    def _apply_snapshot(self, replies: list[_Item]) -> None:
+        """Replies: per rank a batch opening with AllBlocksCleared, all at seq S; then the tail."""
+        self._clear_scope()
+        self._gap_key = None
+        self._c.snapshots += 1
+        if not replies:
+            return  # nothing resident, position unknown: the next batch is the baseline
+        snap_seq = replies[0][0]
+        index = 0
+        while index < len(replies) and replies[index][0] == snap_seq:
+            self._apply(snap_seq, replies[index].batch)
+            index += 1
+        self._apply_tail(replies[index:])
+        log.info("stream %s: snapshot at seq %d applied (%d batches)", self.endpoint, snap_seq, index)
+
+    def _apply_history(self, replies: list[_Item]) -> None:
+        """Applies replayed batches in order from the first one that follows ``last``."""
+        self._gap_key = None
+        if self._last is None:
+            self._apply_replayed(replies[0])
+            self._c.replayed_batches += 1
+            replies = replies[1:]
+        self._c.replayed_batches += self._apply_tail(replies)
+
+    def _apply_tail(self, replies: list[_Item]) -> int:
+        applied = 0
+        for item in replies:
+            assert self._last is not None
+            if item.seq <= self._last:
+                continue  # duplicate
+            if item.seq != self._last + 1:
+                break  # a hole: the next live batch finds it again
+            self._apply_replayed(item)
+            applied += 1
+        return applied
+
+    def _apply_replayed(self, item: _Item) -> None:
+        self._apply(item.seq, item.batch)
+        self._replayed[item.seq] = item.digest
+        while len(self._replayed) > self.options.live_buffer:
+            self._replayed.popitem(last=False)
+
+    def _warn_no_replay(self) -> None:
+        if not self._warned_no_replay:
+            self._warned_no_replay = True
+            log.error(
+                "stream %s: lost events and no replay endpoint; %s cleared and rebuilt from new events only",
+                self.endpoint,
+                self._scope(),
+            )
+
+    def _scope(self) -> str:
+        if self.dp_rank_override is None:
+            return f"instance {self.instance_id}"
+        return f"instance {self.instance_id} rank {self.dp_rank_override}"
+
+    # ------------------------------------------------------------------ replay
+
+    def _fetch(self, start_seq: int, *, snapshot: bool) -> _Fetch:
+        """One replay request; live batches arriving meanwhile go to the (bounded) buffer."""
+        assert self.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        replies: list[_Item] = []
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart(wire.replay_request_frames(start_seq, snapshot=snapshot))
+            poller = zmq.Poller()
+            poller.register(dealer, zmq.POLLIN)
+            if self._sub is not None:
+                poller.register(self._sub, zmq.POLLIN)
+            deadline = time.monotonic() + self.options.replay_timeout_s
+            while not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    kind = "snapshot" if snapshot else "replay"
+                    self._rlog.warning(f"timeout:{kind}", "stream %s: %s request timed out", self.endpoint, kind)
+                    return _Fetch(False, replies)
+                events = dict(poller.poll(max(1, int(min(remaining, self.options.poll_s) * 1000))))
+                if self._sub is not None and self._sub in events:
+                    self._read_live()
+                if dealer in events:
+                    done = self._read_replies(dealer, replies)
+                    if done is not None:
+                        return _Fetch(done, replies)
+                    deadline = time.monotonic() + self.options.replay_timeout_s
+            return _Fetch(False, replies)
+        finally:
+            dealer.close(linger=0)
+
+    def _read_replies(self, dealer: zmq.Socket[bytes], replies: list[_Item]) -> bool | None:
+        """Reads what is ready; True at the end marker, False when too much, None for more."""
+        while True:
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return None
+            try:
+                reply = wire.parse_replay_reply(frames)
+            except wire.WireError as exc:
+                self._bad_input("replay reply", exc)
+                continue
+            if reply.is_end:
+                return True
+            replies.append(_Item(reply.seq, self._decode(reply.payload), hash(reply.payload)))
+            if len(replies) > self.options.max_replay_batches:
+                self._rlog.warning("big", "stream %s: replay longer than %d batches", self.endpoint, len(replies))
+                return False
+
+
+def _looks_like_snapshot(replies: list[_Item], start_seq: int) -> bool:
+    """A fan-in answers a start older than its buffer with a snapshot: AllBlocksCleared first."""
+    seq, batch, _ = replies[0]
+    if batch is None or not batch.events or seq == start_seq:
+        return False
+    return type(batch.events[0]) is wire.AllBlocksCleared

@@ -1,0 +1,139 @@
+"""The internal channel between rank publishers (PUSH) and the instance fan-in (PULL).
+
+Frames: ``[MAGIC, header, payload]`` with ``header = dp_rank u32 | rank_epoch u64 |
+rank_seq u64`` (big-endian, 20 bytes) and ``payload`` an encoded, enriched batch.  An
+empty payload is a rank heartbeat: liveness only, never forwarded, but it takes a
+rank_seq so loss stays detectable.
+
+On one node the channel is ipc in a private directory (mode 0700, under
+``$XDG_RUNTIME_DIR`` or the temp dir) whose socket name both sides derive from an
+instance key (the instance PUB endpoint), so ranks and fan-in agree without any extra
+setting.  Multi-node DP uses ``internal_channel = tcp://<fan-in host>:<port>``.
+The PUSH side never blocks: ``NOBLOCK`` sends, bounded HWM, drops counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.wire import WireError
+
+__all__ = [
+    "MAGIC",
+    "ChannelFrame",
+    "ChannelPusher",
+    "ChannelPuller",
+    "channel_frames",
+    "parse_channel_frames",
+    "default_channel_endpoint",
+    "resolve_channel_endpoint",
+    "private_dir",
+]
+
+MAGIC = b"kvpub1"
+_HEADER = struct.Struct(">IQQ")
+MAX_MESSAGE_BYTES = 64 << 20
+ChannelFrame = tuple[int, int, int, bytes]  # (dp_rank, rank_epoch, rank_seq, payload)
+
+
+def channel_frames(dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> list[bytes]:
+    return [MAGIC, _HEADER.pack(dp_rank, rank_epoch, rank_seq), payload]
+
+
+def parse_channel_frames(frames: list[Any]) -> ChannelFrame:
+    if len(frames) != 3:
+        raise WireError("bad channel frame count", str(len(frames)))
+    magic, header, payload = (bytes(f) for f in frames)
+    if magic != MAGIC:
+        raise WireError("bad channel magic", repr(magic[:16]))
+    if len(header) != _HEADER.size:
+        raise WireError("bad channel header", f"{len(header)} bytes")
+    dp_rank, rank_epoch, rank_seq = _HEADER.unpack(header)
+    return dp_rank, rank_epoch, rank_seq, payload
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+def private_dir() -> Path:
+    """``<runtime dir>/sglang-kvpub-<uid>``, created 0700 and checked to be ours and private."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = Path(base) / f"sglang-kvpub-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    info = path.lstat()
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory owned by uid {os.getuid()}: remove it")
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+    return path
+
+
+def default_channel_endpoint(instance_key: str) -> str:
+    """``ipc://<private dir>/<hash of instance_key>.sock``; every process computes the same."""
+    digest = hashlib.sha256(instance_key.encode("utf-8")).hexdigest()[:20]
+    return f"ipc://{private_dir() / digest}.sock"
+
+
+def resolve_channel_endpoint(config: PluginConfig) -> str:
+    """``internal_channel`` if configured, else the per-instance ipc keyed by the PUB endpoint."""
+    return config.internal_channel or default_channel_endpoint(config.endpoint)
+
+
+# --------------------------------------------------------------------------- sockets
+
+
+class ChannelPusher:
+    """Rank side: connects a PUSH socket; ``send`` never blocks and reports drops."""
+
+    def __init__(self, endpoint: str, hwm: int, context: zmq.Context[Any] | None = None) -> None:
+        self._owns_context = context is None
+        self._context = context or zmq.Context()
+        self.socket = self._context.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 500)
+        self.socket.connect(endpoint)
+        self.sent = 0
+        self.dropped = 0
+
+    def send(self, dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bool:
+        try:
+            self.socket.send_multipart(channel_frames(dp_rank, rank_epoch, rank_seq, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        return True
+
+    def close(self, linger_ms: int = 500) -> None:
+        self.socket.close(linger=linger_ms)
+        if self._owns_context:
+            self._context.term()
+
+
+class ChannelPuller:
+    """Fan-in side: binds a PULL socket (removing its ipc file on close)."""
+
+    def __init__(self, endpoint: str, hwm: int, context: zmq.Context[Any]) -> None:
+        self.endpoint = endpoint
+        self.socket = context.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, hwm)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # a peer over the limit is disconnected
+        self.socket.bind(endpoint)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.endpoint.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(self.endpoint[len("ipc://") :])

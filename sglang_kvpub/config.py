@@ -1,0 +1,275 @@
+"""Plugin configuration: SGLang's ``--kv-events-config`` keys plus the plugin's own keys.
+
+SGLang validates ``--kv-events-config`` with a pydantic model that silently drops keys it
+does not know, so a publisher built through SGLang's factory never sees plugin keys.
+Plugin keys therefore come from environment variables ``SGLANG_KVPUB_<KEY>`` (upper
+case); when the plugin parses the raw JSON string itself it also accepts them there, and
+a key in the JSON wins over the environment.  Every bad value raises :class:`ConfigError`
+naming the key, the value and the fix.  See docs/config.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Union, get_args
+
+__all__ = [
+    "ENV_PREFIX",
+    "SGLANG_KEYS",
+    "PLUGIN_KEYS",
+    "ConfigError",
+    "PluginConfig",
+    "env_name",
+    "should_bind",
+    "offset_endpoint",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "SGLANG_KVPUB_"
+
+HashFormName = Literal["u64", "i64"]
+EncodingName = Literal["map", "array"]
+FullPolicy = Literal["drop_oldest", "drop_newest"]
+DispatchName = Literal["default", "cache_aware"]
+
+# Keys of SGLang's KVEventsConfig (0.5.23); only they are read from the JSON by SGLang itself.
+SGLANG_KEYS = (
+    "publisher",
+    "endpoint",
+    "bind",
+    "replay_endpoint",
+    "buffer_steps",
+    "hwm",
+    "max_queue_size",
+    "topic",
+    "format",
+)
+PLUGIN_KEYS = (
+    "hash_form",
+    "event_encoding",
+    "heartbeat_s",
+    "internal_channel",
+    "rank_queue_size",
+    "full_policy",
+    "dp_dispatch",
+)
+
+
+class ConfigError(ValueError):
+    """A setting the plugin cannot run with; the message names the key and the fix."""
+
+
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginConfig:
+    # SGLang's keys (same names and defaults as KVEventsConfig).
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Union[str, None] = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    bind: Union[bool, None] = None
+    publisher: str = "zmq"
+    format: str = "default"
+    # Plugin keys.
+    hash_form: HashFormName = "u64"
+    event_encoding: EncodingName = "map"
+    heartbeat_s: float = 1.0
+    internal_channel: Union[str, None] = None
+    rank_queue_size: int = 10_000
+    full_policy: FullPolicy = "drop_oldest"
+    dp_dispatch: DispatchName = "default"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            _VALIDATORS[field.name](field.name, getattr(self, field.name))
+
+    @property
+    def binds(self) -> bool:
+        """Whether the instance PUB binds (True) or connects (False), as SGLang decides."""
+        return should_bind(self.endpoint, self.bind)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> PluginConfig:
+        """From already-parsed keys (e.g. the kwargs SGLang's publisher factory passes) plus env.
+
+        Keys that are not configuration (``attn_dp_rank`` from the factory) are ignored.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for key in SGLANG_KEYS + PLUGIN_KEYS:
+            if key in data:
+                values[key] = data[key]
+            elif key in PLUGIN_KEYS and env_name(key) in env:
+                values[key] = _from_env(key, env[env_name(key)])
+        if values.get("publisher") is None:
+            values.pop("publisher", None)
+        if values.get("format") is None:
+            values.pop("format", None)
+        return cls(**values)
+
+    @classmethod
+    def from_kv_events_json(cls, text: str, env: Mapping[str, str] | None = None) -> PluginConfig:
+        """From the raw ``--kv-events-config`` string (plugin keys allowed in it) plus env."""
+        try:
+            data = json.loads(text) if text and text.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"--kv-events-config is not valid JSON ({exc.msg} at char {exc.pos}): fix the JSON"
+            ) from exc
+        if not isinstance(data, dict):
+            raise ConfigError('--kv-events-config must be a JSON object like {"publisher": "zmq", ...}')
+        unknown = sorted(set(data) - set(SGLANG_KEYS) - set(PLUGIN_KEYS))
+        if unknown:
+            log.warning("--kv-events-config: ignoring unknown keys %s", unknown)
+        return cls.from_mapping(data, env)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _where(key: str) -> str:
+    if key in PLUGIN_KEYS:
+        return f"key {key!r} (env {env_name(key)})"
+    return f"--kv-events-config key {key!r}"
+
+
+def _bad(key: str, value: Any, fix: str) -> ConfigError:
+    return ConfigError(f"{_where(key)} = {value!r} is invalid: {fix}")
+
+
+def _from_env(key: str, raw: str) -> Any:
+    """Env values are strings; convert by the key's type, keeping the raw text for errors."""
+    text = raw.strip()
+    if key == "internal_channel":
+        return text or None
+    if key == "heartbeat_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise _bad(key, raw, "use a number of seconds > 0, e.g. 1.0") from None
+    if key == "rank_queue_size":
+        try:
+            return int(text)
+        except ValueError:
+            raise _bad(key, raw, "use a positive integer, e.g. 10000") from None
+    return text
+
+
+def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if value not in allowed:
+            raise _bad(key, value, "use one of " + ", ".join(repr(a) for a in allowed))
+
+    return check
+
+
+def _positive_int(minimum: int) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise _bad(key, value, f"use an integer >= {minimum}")
+
+    return check
+
+
+def _endpoint(optional: bool) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise _bad(key, value, "use a ZMQ endpoint like 'tcp://*:5557' (tcp://, ipc:// or inproc://)")
+        if value.startswith("tcp://") and not _port_of(value):
+            raise _bad(key, value, "give a tcp port, e.g. 'tcp://*:5557'")
+
+    return check
+
+
+def _str(key: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise _bad(key, value, "use a string")
+
+
+def _optional_bool(key: str, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise _bad(key, value, "use true, false or null (null: bind for *, 0.0.0.0, ::, ipc and inproc)")
+
+
+def _heartbeat(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+        raise _bad(key, value, "use a number of seconds in (0, 3600], e.g. 1.0")
+
+
+def _internal_channel(key: str, value: Any) -> None:
+    if value is None:
+        return
+    _endpoint(False)(key, value)
+    if isinstance(value, str) and value.startswith("tcp://") and "*" in value:
+        raise _bad(key, value, "ranks connect to it: give the fan-in host's address, e.g. 'tcp://10.0.0.1:5600'")
+
+
+_VALIDATORS: dict[str, Callable[[str, Any], None]] = {
+    "endpoint": _endpoint(False),
+    "replay_endpoint": _endpoint(True),
+    "topic": _str,
+    "buffer_steps": _positive_int(1),
+    "hwm": _positive_int(0),
+    "max_queue_size": _positive_int(1),
+    "bind": _optional_bool,
+    "publisher": _str,
+    "format": _choice(("default", "dynamo")),
+    "hash_form": _choice(get_args(HashFormName)),
+    "event_encoding": _choice(get_args(EncodingName)),
+    "heartbeat_s": _heartbeat,
+    "internal_channel": _internal_channel,
+    "rank_queue_size": _positive_int(1),
+    "full_policy": _choice(get_args(FullPolicy)),
+    "dp_dispatch": _choice(get_args(DispatchName)),
+}
+
+
+# --------------------------------------------------------------------------- endpoints
+
+
+def should_bind(endpoint: str, bind: bool | None = None) -> bool:
+    """SGLang's rule: explicit ``bind`` wins; else bind wildcard hosts, ipc and inproc."""
+    if bind is not None:
+        return bind
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    return any(marker in endpoint for marker in ("*", "::", "0.0.0.0"))
+
+
+def _port_of(endpoint: str) -> int | None:
+    host_port = endpoint[len("tcp://") :]
+    _, sep, port = host_port.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    value = int(port)
+    return value if 0 < value < 65536 else None
+
+
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The per-rank endpoint SGLang uses: tcp port + rank, inproc suffix ``_dp<rank>``."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        port = _port_of(endpoint)
+        if port is None:
+            raise ConfigError(f"endpoint {endpoint!r} has no tcp port to offset by rank {rank}")
+        head = endpoint[: endpoint.rfind(":")]
+        return f"{head}:{port + rank}"
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    raise ConfigError(f"endpoint {endpoint!r}: per-rank offsets need tcp:// (ipc cannot be offset)")

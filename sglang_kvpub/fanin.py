@@ -1,0 +1,545 @@
+"""The instance fan-in: every rank's batches on ONE PUB, one seq, replay and snapshot.
+
+One per instance: in SGLang's DataParallelController process, or in the sidecar.
+
+Stream.  Each rank batch becomes exactly one instance batch (ranks never mixed, dp_rank
+set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` is random in
+``[1, 2**23)`` per start, ``n`` counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
+an empty batch (``dp_rank`` None) goes out too; heartbeats take seqs and sit in the
+replay buffer like any batch, so seqs stay contiguous.  The first heartbeat is sent at
+``start()``, so a snapshot always has a seq to refer to.
+
+Ranks.  Batches arrive on the internal channel (:mod:`sglang_kvpub.channel`) or through
+:meth:`FanIn.ingest` (the sidecar).  Per rank the fan-in checks ``rank_seq``: a jump is a
+gap (counted, logged), an old seq a duplicate (counted, dropped).  A new ``rank_epoch``
+is a restarted rank: the fan-in emits ``AllBlocksCleared`` for that rank first, so
+subscribers drop its stale blocks.  A rank silent (not even rank heartbeats) for
+``rank_timeout_s`` is reported dead in the log and ``stats()``; the stream keeps serving
+the others.
+
+Replay (SGLang 0.5.23 protocol) on the ROUTER at ``replay_endpoint``: a DEALER sends
+``[b"", start_seq]``; it gets ``[b"", topic, seq, payload]`` for every buffered batch
+with ``start_seq <= seq <= last seq at request time``, then ``[b"", b"", END_SEQ, b""]``.
+
+Snapshot (beyond upstream): when ``start_seq`` belongs to another epoch (e.g. 0, or a
+previous fan-in start), is older than the oldest buffered seq, or the request carries
+the fourth frame ``wire.SNAPSHOT_MARKER``, the reply is a snapshot.  Let ``S`` be the seq
+of the newest batch already emitted when the snapshot starts: the residency of every rank
+as of ``S`` goes out as, per rank (``0..dp_size-1`` and any other rank seen), one batch
+``[AllBlocksCleared, BlockStored...]`` followed by more ``[BlockStored...]`` batches
+(at most ``snapshot_batch_blocks`` blocks each, parents first), ALL sent with seq ``S``.
+Then the buffered tail ``S+1 ..`` (up to the newest seq when the tail starts), then the
+end marker.  A subscriber applies the snapshot, then the tail, then live batches with a
+seq greater than the last one applied.  If the buffer rolls past the tail while a slow
+client reads, the reply ends early; the client sees a seq gap on the live stream and
+asks again.
+
+Replies are streamed by the publishing thread in small slices between channel reads,
+with ``ROUTER_MANDATORY``: a slow reader slows only its own reply, never the stream.
+
+Thread safety: :meth:`ingest` may be called from any thread; calls are serialised by
+one lock and each rank's order is the order of its calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from sglang_kvpub.channel import ChannelPuller, default_channel_endpoint, parse_channel_frames, resolve_channel_endpoint
+from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.wire import (
+    AllBlocksCleared,
+    BatchDecoder,
+    BatchEncoder,
+    Event,
+    EventBatch,
+    WireError,
+    encode_seq,
+    enrich_batch,
+    make_seq,
+    parse_replay_request,
+    replay_end_frames,
+    replay_reply_frames,
+    seq_epoch,
+)
+
+__all__ = ["FanIn", "RankState", "default_channel_endpoint"]
+
+log = logging.getLogger(__name__)
+
+EPOCH_LIMIT = 1 << 23
+_MAX_JOBS = 64
+_SLICE_MESSAGES = 32
+_CHANNEL_BURST = 512
+
+
+@dataclasses.dataclass
+class RankState:
+    rank_epoch: int | None = None
+    last_rank_seq: int = -1
+    batches: int = 0
+    gaps: int = 0  # batches missing, summed over all gaps
+    gap_events: int = 0
+    duplicates: int = 0
+    restarts: int = 0
+    late_join: bool = False
+    last_seen: float = 0.0  # wall clock, for humans
+    last_seen_mono: float = 0.0
+    alive: bool = False
+
+
+class _Job:
+    """One replay/snapshot reply being streamed; ``pending`` is a message the ROUTER refused."""
+
+    def __init__(self, identity: bytes, items: Iterator[tuple[int, bytes]]) -> None:
+        self.identity = identity
+        self.items = items
+        self.pending: tuple[list[bytes], bool] | None = None
+        self.done = False
+
+
+class _RateLog:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, message: str, *args: Any) -> None:
+        self.count += 1
+        if self.count <= 10 or self.count % 1000 == 0:
+            log.warning(message + " (occurrence %d)", *args, self.count)
+
+
+class FanIn:
+    def __init__(
+        self,
+        config: PluginConfig,
+        dp_size: int,
+        *,
+        channel_endpoint: str | None = None,
+        context: zmq.Context[Any] | None = None,
+        listen_channel: bool = True,
+        rank_timeout_s: float | None = None,
+        snapshot_batch_blocks: int = 256,
+    ) -> None:
+        self.config = config
+        self.dp_size = dp_size
+        self.epoch = secrets.randbelow(EPOCH_LIMIT - 1) + 1
+        self.channel_endpoint = channel_endpoint or resolve_channel_endpoint(config)
+        self.listen_channel = listen_channel
+        self.rank_timeout_s = rank_timeout_s if rank_timeout_s is not None else max(3.0 * config.heartbeat_s, 1.0)
+        self.snapshot_batch_blocks = max(1, snapshot_batch_blocks)
+        self._owns_context = context is None
+        self._context = context
+        self._topic = config.topic.encode("utf-8")
+        self._encoder = BatchEncoder(config.event_encoding)
+        self._decoder = BatchDecoder()
+        self._trusted = msgspec.msgpack.Decoder(EventBatch)
+        self._lock = threading.Lock()
+        self._counter = 0
+        self._last_seq = -1
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
+        self._ranks: dict[int, RankState] = {}
+        self._residency: dict[int, RankResidency] = {}
+        self._jobs: list[_Job] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._puller: ChannelPuller | None = None
+        self._log_malformed = _RateLog()
+        self._log_gap = _RateLog()
+        self._counts = collections.Counter[str]()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Binds (or connects) the sockets in the caller's thread - errors surface here - then
+        runs the loop on a daemon thread."""
+        if self._thread is not None:
+            raise RuntimeError("FanIn already started")
+        context = self._context = self._context or zmq.Context()
+        config = self.config
+        pub = context.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, config.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        try:
+            if should_bind(config.endpoint, config.bind):
+                pub.bind(config.endpoint)
+            else:
+                pub.connect(config.endpoint)
+            if config.replay_endpoint:
+                router = context.socket(zmq.ROUTER)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                router.setsockopt(zmq.SNDHWM, 1000)
+                router.setsockopt(zmq.LINGER, 0)
+                self._router = router
+                router.bind(config.replay_endpoint)
+            if self.listen_channel:
+                self._puller = ChannelPuller(self.channel_endpoint, config.hwm, context)
+        except zmq.ZMQError:
+            self._close_sockets(pub)
+            raise
+        self._pub = pub
+        self._heartbeat()
+        self._thread = threading.Thread(target=self._run, name="kvpub-fanin", daemon=True)
+        self._thread.start()
+        log.info(
+            "kvpub fan-in: epoch %d, PUB %s, replay %s, channel %s, dp_size %d",
+            self.epoch,
+            config.endpoint,
+            config.replay_endpoint,
+            self.channel_endpoint if self.listen_channel else "-",
+            self.dp_size,
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self._lock:
+            pub, self._pub = self._pub, None
+            self._close_sockets(pub)
+        if self._owns_context and self._context is not None:
+            self._context.term()
+            self._context = None
+
+    def _close_sockets(self, pub: zmq.Socket[bytes] | None) -> None:
+        if pub is not None:
+            pub.close(linger=0)
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._puller is not None:
+            self._puller.close()
+            self._puller = None
+
+    # ------------------------------------------------------------------ ingest
+
+    def ingest(self, dp_rank: int, rank_epoch: int, rank_seq: int, batch_or_payload: EventBatch | bytes) -> None:
+        """One rank batch: an :class:`EventBatch` (enriched and encoded here; what the sidecar
+        passes after validating foreign engines' payloads) or an encoded payload from a
+        :class:`RankPublisher` (forwarded as is when already tagged with this rank; empty =
+        rank heartbeat).  Undecodable payloads are counted, logged and skipped.  The batch
+        is published first and applied to the rank's residency after, off the latency path.
+        """
+        with self._lock:
+            if self._pub is None:
+                return
+            if not self._track(dp_rank, rank_epoch, rank_seq):
+                return
+            if isinstance(batch_or_payload, EventBatch):
+                batch = batch_or_payload
+                payload = self._encode(batch, dp_rank)
+            else:
+                if not batch_or_payload:
+                    return
+                decoded = self._decode_rank_payload(dp_rank, batch_or_payload)
+                if decoded is None:
+                    return
+                batch = decoded
+                payload = bytes(batch_or_payload) if batch.dp_rank == dp_rank else self._encode(batch, dp_rank)
+            self._emit(payload)
+            residency = self._residency_of(dp_rank)
+            for event in batch.events:
+                residency.apply(event)
+
+    def _decode_rank_payload(self, dp_rank: int, payload: bytes) -> EventBatch | None:
+        # Our rank publishers wrote it with our encoder: msgspec's typed decoder is enough
+        # (it still rejects anything not shaped like a batch); other shapes take the full path.
+        try:
+            batch: EventBatch = self._trusted.decode(payload)
+            return batch
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        try:
+            return self._decoder.decode(payload)
+        except WireError as exc:
+            self._counts["malformed"] += 1
+            self._log_malformed("kvpub fan-in: rank %d sent a malformed payload: %s", dp_rank, exc)
+            return None
+
+    def _encode(self, batch: EventBatch, dp_rank: int) -> bytes:
+        enrich_batch(batch, dp_rank=dp_rank, block_size=0, hash_form=self.config.hash_form)
+        return self._encoder.encode(batch)
+
+    def _residency_of(self, dp_rank: int) -> RankResidency:
+        residency = self._residency.get(dp_rank)
+        if residency is None:
+            residency = self._residency[dp_rank] = RankResidency()
+        return residency
+
+    def _track(self, dp_rank: int, rank_epoch: int, rank_seq: int) -> bool:
+        """Updates the rank's sequence state; False for a duplicate to drop."""
+        state = self._ranks.get(dp_rank)
+        if state is None:
+            state = self._ranks[dp_rank] = RankState()
+        if state.rank_epoch is None:  # first sight: earlier seqs predate this fan-in
+            state.rank_epoch = rank_epoch
+            state.late_join = rank_seq != 0
+            if state.late_join:
+                log.info("kvpub fan-in: rank %d joined at rank_seq %d (fan-in started after it)", dp_rank, rank_seq)
+        else:
+            if rank_epoch != state.rank_epoch:
+                self._restart(dp_rank, state, rank_epoch)
+            elif rank_seq <= state.last_rank_seq:
+                state.duplicates += 1
+                return False
+            missing = rank_seq - state.last_rank_seq - 1
+            if missing > 0:
+                state.gaps += missing
+                state.gap_events += 1
+                self._log_gap("kvpub fan-in: rank %d lost %d batch(es) before rank_seq %d", dp_rank, missing, rank_seq)
+        state.last_rank_seq = rank_seq
+        state.batches += 1
+        state.last_seen = time.time()
+        state.last_seen_mono = time.monotonic()
+        if not state.alive:
+            if state.batches > 1:
+                log.warning("kvpub fan-in: rank %d is back", dp_rank)
+            state.alive = True
+        return True
+
+    def _restart(self, dp_rank: int, state: RankState, rank_epoch: int) -> None:
+        """A new rank epoch: the rank's cache is gone; tell subscribers before its new batches."""
+        state.restarts += 1
+        state.rank_epoch = rank_epoch
+        state.last_rank_seq = -1
+        log.warning("kvpub fan-in: rank %d restarted (new rank epoch); clearing its blocks", dp_rank)
+        self._residency_of(dp_rank).clear()
+        self._emit(self._encoder.encode(EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)))
+        self._counts["rank_restarts"] += 1
+
+    def _emit(self, payload: bytes) -> int:
+        """Publishes one instance batch under the lock; returns its seq."""
+        seq = make_seq(self.epoch, self._counter)
+        self._counter += 1
+        self._last_seq = seq
+        self._buffer.append((seq, payload))
+        assert self._pub is not None
+        try:
+            self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._counts["pub_dropped"] += 1
+        return seq
+
+    def _heartbeat(self) -> None:
+        with self._lock:
+            if self._pub is None:
+                return
+            self._emit(self._encoder.encode(EventBatch(ts=time.time(), events=[], dp_rank=None)))
+            self._counts["heartbeats"] += 1
+
+    # ------------------------------------------------------------------ loop
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        if self._puller is not None:
+            poller.register(self._puller.socket, zmq.POLLIN)
+        if self._router is not None:
+            poller.register(self._router, zmq.POLLIN)
+        heartbeat = self.config.heartbeat_s
+        next_beat = time.monotonic() + heartbeat
+        next_liveness = time.monotonic() + heartbeat
+        while not self._stop.is_set():
+            now = time.monotonic()
+            wait_s = 0.0 if self._jobs else min(max(0.0, next_beat - now), 0.1)
+            if poller.sockets:
+                ready = dict(poller.poll(int(wait_s * 1000)))
+            else:
+                self._stop.wait(wait_s)
+                ready = {}
+            if self._puller is not None and self._puller.socket in ready:
+                self._drain_channel(self._puller.socket)
+            if self._router is not None and self._router in ready:
+                self._drain_requests(self._router)
+            if self._jobs:
+                self._advance_jobs()
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + heartbeat
+            if now >= next_liveness:
+                self._check_liveness(now)
+                next_liveness = now + heartbeat
+
+    def _drain_channel(self, socket: zmq.Socket[bytes]) -> None:
+        for _ in range(_CHANNEL_BURST):
+            try:
+                frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            try:
+                dp_rank, rank_epoch, rank_seq, payload = parse_channel_frames(frames)
+            except WireError as exc:
+                with self._lock:
+                    self._counts["malformed"] += 1
+                self._log_malformed("kvpub fan-in: malformed internal frame: %s", exc)
+                continue
+            self.ingest(dp_rank, rank_epoch, rank_seq, payload)
+
+    def _check_liveness(self, now: float) -> None:
+        with self._lock:
+            for dp_rank, state in self._ranks.items():
+                if state.alive and now - state.last_seen_mono > self.rank_timeout_s:
+                    state.alive = False
+                    self._counts["rank_silences"] += 1
+                    log.warning(
+                        "kvpub fan-in: rank %d silent for %.1f s (dead or stuck); serving the other ranks",
+                        dp_rank,
+                        now - state.last_seen_mono,
+                    )
+
+    # ------------------------------------------------------------------ replay / snapshot
+
+    def _drain_requests(self, router: zmq.Socket[bytes]) -> None:
+        for _ in range(16):
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                identity, start_seq, snapshot = parse_replay_request(frames)
+            except WireError as exc:
+                self._counts["bad_requests"] += 1
+                self._log_malformed("kvpub fan-in: bad replay request: %s", exc)
+                continue
+            if len(self._jobs) >= _MAX_JOBS:
+                self._counts["replays_rejected"] += 1
+                self._jobs.append(_Job(identity, iter(())))
+                continue
+            self._jobs.append(_Job(identity, self._reply_items(start_seq, snapshot)))
+
+    def _reply_items(self, start_seq: int, snapshot: bool) -> Iterator[tuple[int, bytes]]:
+        with self._lock:
+            oldest = self._buffer[0][0] if self._buffer else self._last_seq + 1
+            use_snapshot = snapshot or seq_epoch(start_seq) != self.epoch or start_seq < oldest
+            end_seq = self._last_seq
+        if use_snapshot:
+            self._counts["snapshots_served"] += 1
+            return self._snapshot_items()
+        self._counts["replays_served"] += 1
+        return self._buffered_items(start_seq, end_seq)
+
+    def _buffered_items(self, start_seq: int, end_seq: int) -> Iterator[tuple[int, bytes]]:
+        seq = start_seq
+        while seq <= end_seq:
+            with self._lock:
+                if not self._buffer:
+                    return
+                index = seq - self._buffer[0][0]
+                if index < 0:  # rolled out while a slow client read
+                    self._counts["replays_truncated"] += 1
+                    return
+                item = self._buffer[index]
+            yield item
+            seq += 1
+
+    def _snapshot_items(self) -> Iterator[tuple[int, bytes]]:
+        with self._lock:
+            snapshot_seq = self._last_seq
+            ranks = sorted(set(range(self.dp_size)) | set(self._residency))
+            frozen = {rank: self._residency[rank].copy() for rank in ranks if rank in self._residency}
+        for rank in ranks:
+            residency = frozen.get(rank)
+            events: list[Event] = [AllBlocksCleared()]
+            blocks = 0
+            stored = residency.iter_snapshot_events(max_blocks_per_event=64) if residency else iter(())
+            for event in stored:
+                events.append(event)
+                blocks += len(event.block_hashes)
+                if blocks >= self.snapshot_batch_blocks:
+                    yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
+                    events, blocks = [], 0
+            if events:
+                yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
+        with self._lock:
+            end_seq = self._last_seq
+        yield from self._buffered_items(snapshot_seq + 1, end_seq)
+
+    def _advance_jobs(self) -> None:
+        router = self._router
+        assert router is not None
+        deadline = time.monotonic() + 0.001
+        for job in self._jobs:
+            for message, is_end in itertools.islice(self._job_messages(job), _SLICE_MESSAGES):
+                try:
+                    router.send_multipart(message, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    job.pending = (message, is_end)  # the client reads slowly: retry on a later turn
+                    break
+                except zmq.ZMQError:  # EHOSTUNREACH: the client went away
+                    job.done = True
+                    break
+                if is_end:
+                    job.done = True
+                    break
+                if time.monotonic() > deadline:
+                    break
+        self._jobs = [job for job in self._jobs if not job.done]
+
+    def _job_messages(self, job: _Job) -> Iterator[tuple[list[bytes], bool]]:
+        if job.pending is not None:
+            pending, job.pending = job.pending, None
+            yield pending
+            if pending[1]:
+                return
+        for seq, payload in job.items:
+            yield replay_reply_frames(job.identity, self._topic, seq, payload), False
+        yield replay_end_frames(job.identity), True
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            ranks = {
+                rank: {
+                    "rank_epoch": state.rank_epoch,
+                    "last_rank_seq": state.last_rank_seq,
+                    "batches": state.batches,
+                    "gaps": state.gaps,
+                    "gap_events": state.gap_events,
+                    "duplicates": state.duplicates,
+                    "restarts": state.restarts,
+                    "late_join": state.late_join,
+                    "last_seen": state.last_seen,
+                    "alive": state.alive,
+                    "resident": self._residency[rank].counts() if rank in self._residency else {},
+                }
+                for rank, state in sorted(self._ranks.items())
+            }
+            return {
+                "epoch": self.epoch,
+                "seq": self._last_seq,
+                "batches": self._counter,
+                "buffered": len(self._buffer),
+                "jobs": len(self._jobs),
+                "never_seen": [r for r in range(self.dp_size) if r not in self._ranks],
+                "dead": [r for r, s in self._ranks.items() if not s.alive],
+                "ranks": ranks,
+                **{key: self._counts[key] for key in _COUNTERS},
+            }
+
+
+_COUNTERS = (
+    "heartbeats",
+    "malformed",
+    "bad_requests",
+    "replays_served",
+    "snapshots_served",
+    "replays_rejected",
+    "replays_truncated",
+    "rank_restarts",
+    "rank_silences",
+    "pub_dropped",
+)

@@ -1,0 +1,612 @@
+"""Prefix index over KV events: which (instance, dp_rank) holds how much of a prompt, per tier.
+
+Shared core (no SGLang, no torch): the router's ``motor_adapter`` and the in-instance
+dispatcher both use it.
+
+Keys.  A block's key is its chained content hash (:mod:`sglang_kvpub.hashing`): the local
+XXH3-64 (seed 1337, shifted by ``lora_seed(event.lora_name)``) of its token ids, chained
+from the parent's key; a block without parent hangs under the seed.  ``cache_salt`` and
+``lora_id`` are not part of the key (a query cannot know them).  The engine's block hash
+is an opaque id, kept per worker ``(instance, dp_rank)`` and per tier only to resolve
+``parent_block_hash`` and removals.  Engine hashes are normalised to u64, so an engine
+that sends i64 and one that sends u64 forms of the same value are the same block.
+
+Layout.  Workers get small integer ids (recycled by :meth:`PrefixIndex.clear_instance`,
+lowest first, to keep masks short).  Per tier, one dict maps a key to an int bitmask of
+the workers holding it; per worker and tier, one dict maps engine hash -> key.  A query
+walks the prompt's keys once, ANDing masks, and only touches individual workers when they
+leave a tier phase.
+
+Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
+CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
+that phase, and a block absent from every remaining phase ends the walk.  Blocks are
+never borrowed across ranks: each rank's hit counts only what that rank holds itself.
+
+Bounded memory.  With ``capacity_blocks``, the index keeps at most that many entries
+(worker x tier x block).  When exceeded, it evicts a batch (1/16 of the capacity, so the
+cost is amortised) of least-recently stored-or-queried keys from every tier, in
+proportion to the tier sizes.  Recency is each tier dict's insertion order: a store moves
+its keys to the end deepest-first and then touches the parent, a query touches the
+matched keys deepest-first, so within a touched chain descendants are evicted before
+their ancestors.  A child whose ancestor was evicted first can remain indexed, but it can
+never be a hit: a query walks from block 0 and stops at the first missing key; the child
+ages out in turn.
+
+Threads.  One lock, held for a whole batch or one query walk (hashing of the query's
+tokens happens outside it).  Any number of writer threads (one per stream) and reader
+threads may call in; a query sees each batch either entirely or not at all.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import sys
+import threading
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+
+from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
+from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+
+__all__ = [
+    "TIER_NPU",
+    "TIER_CPU",
+    "TIER_DISK",
+    "TIERS",
+    "tier_of_medium",
+    "TierHit",
+    "ApplyResult",
+    "IndexStats",
+    "PrefixIndex",
+]
+
+log = logging.getLogger(__name__)
+
+TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
+TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
+_U64 = (1 << 64) - 1
+_EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
+
+# Names seen from SGLang, vLLM, LMCache and Motor's conductor configuration.
+_MEDIUM_TIERS = {
+    "gpu": TIER_NPU,
+    "npu": TIER_NPU,
+    "xpu": TIER_NPU,
+    "hbm": TIER_NPU,
+    "device": TIER_NPU,
+    "cpu": TIER_CPU,
+    "cpu_pinned": TIER_CPU,
+    "host": TIER_CPU,
+    "memory": TIER_CPU,
+    "disk": TIER_DISK,
+    "external": TIER_DISK,
+    "ssd": TIER_DISK,
+    "nvme": TIER_DISK,
+    "nof_ssd": TIER_DISK,
+    "dfs": TIER_DISK,
+}
+_TIER_INDEX = {TIER_NPU: 0, TIER_CPU: 1, TIER_DISK: 2}
+
+
+def tier_of_medium(medium: str | None) -> str:
+    """The tier of an event's medium (case-insensitive).
+
+    ``None`` is device memory (engines before SGLang 0.5.9 only published HBM).  An unknown
+    medium name maps to ``disk``: it is surely not HBM (every engine calls HBM ``GPU``), and
+    the lowest tier never overstates a hit (Motor weighs disk 0 by default).
+    """
+    if medium is None:
+        return TIER_NPU
+    return _MEDIUM_TIERS.get(medium.lower(), TIER_DISK)
+
+
+@dataclass(frozen=True)
+class TierHit:
+    """Blocks of a prompt one rank holds: NPU prefix, then CPU, then disk continuation."""
+
+    npu_blocks: int
+    cpu_blocks: int
+    disk_blocks: int
+
+    @property
+    def total_blocks(self) -> int:
+        return self.npu_blocks + self.cpu_blocks + self.disk_blocks
+
+
+@dataclass
+class ApplyResult:
+    """What one event or batch did.  ``stored``/``removed`` count (worker, tier, block)
+    entries added/dropped; ``orphans`` and ``ignored_block_size`` count skipped events."""
+
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    ignored_block_size: int = 0
+    orphans: int = 0
+    unknown_removals: int = 0
+
+    def add(self, other: ApplyResult) -> None:
+        self.stored += other.stored
+        self.removed += other.removed
+        self.cleared += other.cleared
+        self.ignored_block_size += other.ignored_block_size
+        self.orphans += other.orphans
+        self.unknown_removals += other.unknown_removals
+
+
+@dataclass
+class IndexStats:
+    """Counters and size.  ``blocks`` = entries (worker x tier x block); ``keys`` = distinct
+    (tier, key) pairs.  ``bytes_per_entry`` is an estimate: the sizes of every dict table
+    (``sys.getsizeof``) plus 64-bit ints at their allocated size and masks at the size of
+    the widest worker bit, divided by ``blocks``; ``bench/index.py`` measures the real
+    figure with tracemalloc."""
+
+    blocks: int
+    keys: int
+    workers: int
+    bytes_per_entry: float
+    tier_blocks: dict[str, int] = field(default_factory=dict)
+    ignored_block_size: int = 0
+    orphans: int = 0
+    evicted: int = 0
+    unknown_removals: int = 0
+    stored: int = 0
+    removed: int = 0
+    cleared: int = 0
+    queries: int = 0
+
+
+class _Worker:
+    """One (instance, dp_rank): its bit and, per tier, engine hash -> key."""
+
+    __slots__ = ("bit", "dp_rank", "dups", "instance", "maps", "orphan_logged", "wid")
+
+    def __init__(self, wid: int, instance: str, dp_rank: int) -> None:
+        self.wid = wid
+        self.bit = 1 << wid
+        self.instance = instance
+        self.dp_rank = dp_rank
+        self.maps: list[dict[int, int]] = [{}, {}, {}]
+        # key -> number of EXTRA engine hashes of this worker/tier with that key (the bit is
+        # set once; it is cleared only when the last one goes)
+        self.dups: list[dict[int, int]] = [{}, {}, {}]
+        self.orphan_logged = False
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """Positions of the set bits of ``mask``, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class PrefixIndex:
+    """Exact prefix index per (instance, dp_rank, tier); see the module docstring."""
+
+    def __init__(self, block_size: int, capacity_blocks: int | None = None, default_medium: str = MEDIUM_GPU) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if capacity_blocks is not None and capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.default_medium = default_medium
+        self._default_tier = _TIER_INDEX[tier_of_medium(default_medium)]
+        self._lock = threading.Lock()
+        self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> worker bitmask
+        self._workers: dict[tuple[str, int], _Worker] = {}
+        self._by_wid: list[_Worker | None] = []
+        self._free_wids: list[int] = []
+        self._entries = [0, 0, 0]
+        self._hits: dict[tuple[int, int, int], TierHit] = {}
+        self._size_logged: set[str] = set()
+        self._totals = ApplyResult()
+        self._evicted = 0
+        self._queries = 0
+
+    # ------------------------------------------------------------------ writers
+
+    def apply_batch(self, instance: str, batch: EventBatch, dp_rank: int | None = None) -> ApplyResult:
+        """Applies every event of a batch for ``dp_rank`` (else ``batch.dp_rank``, else 0)."""
+        rank = dp_rank if dp_rank is not None else (batch.dp_rank if batch.dp_rank is not None else 0)
+        result = ApplyResult()
+        with self._lock:
+            worker = self._worker(instance, rank)
+            for event in batch.events:
+                self._apply(worker, event, result)
+            self._finish(result)
+        return result
+
+    def apply_event(self, instance: str, dp_rank: int, event: Event) -> ApplyResult:
+        result = ApplyResult()
+        with self._lock:
+            self._apply(self._worker(instance, dp_rank), event, result)
+            self._finish(result)
+        return result
+
+    def clear_rank(self, instance: str, dp_rank: int, medium: str | None = None) -> None:
+        """Forgets what a rank holds: in every tier, or only in ``medium``'s tier."""
+        with self._lock:
+            worker = self._workers.get((instance, dp_rank))
+            if worker is None:
+                return
+            if medium is None:
+                for tier in range(3):
+                    self._clear_tier(worker, tier)
+            else:
+                self._clear_tier(worker, _TIER_INDEX[tier_of_medium(medium)])
+
+    def clear_instance(self, instance: str) -> None:
+        """Forgets an instance and its ranks; their worker ids are recycled."""
+        with self._lock:
+            for key in [k for k in self._workers if k[0] == instance]:
+                worker = self._workers.pop(key)
+                for tier in range(3):
+                    self._clear_tier(worker, tier)
+                self._by_wid[worker.wid] = None
+                heapq.heappush(self._free_wids, worker.wid)
+            self._size_logged.discard(instance)
+
+    # ------------------------------------------------------------------ readers
+
+    def query(
+        self, token_ids: Sequence[int], lora_name: str | None = None, instances: Collection[str] | None = None
+    ) -> dict[str, dict[int, TierHit]]:
+        """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0."""
+        return self.query_keys(sequence_keys(token_ids, self.block_size, lora_name), instances)
+
+    def query_keys(
+        self, keys: Sequence[int], instances: Collection[str] | None = None
+    ) -> dict[str, dict[int, TierHit]]:
+        """Like :meth:`query` for precomputed chained keys (``hashing.chain_hashes``)."""
+        if not keys:
+            return {}
+        with self._lock:
+            self._queries += 1
+            allowed = None if instances is None else self._instance_mask(instances)
+            if allowed == 0:
+                return {}
+            records, depth = self._walk(keys, allowed)
+            if self.capacity_blocks is not None and depth:
+                self._touch(keys[:depth])
+            return self._resolve(records)
+
+    def ranks(self, instance: str) -> list[int]:
+        with self._lock:
+            return sorted(rank for inst, rank in self._workers if inst == instance)
+
+    def instances(self) -> list[str]:
+        with self._lock:
+            return sorted({inst for inst, _ in self._workers})
+
+    def resident(self, instance: str, dp_rank: int, medium: str) -> set[int]:
+        """Engine block hashes (u64) indexed for a rank in ``medium``'s tier."""
+        with self._lock:
+            worker = self._workers.get((instance, dp_rank))
+            if worker is None:
+                return set()
+            return set(worker.maps[_TIER_INDEX[tier_of_medium(medium)]])
+
+    def stats(self) -> IndexStats:
+        with self._lock:
+            blocks = sum(self._entries)
+            keys = sum(len(d) for d in self._masks)
+            totals = self._totals
+            return IndexStats(
+                blocks=blocks,
+                keys=keys,
+                workers=len(self._workers),
+                bytes_per_entry=self._estimate_bytes() / blocks if blocks else 0.0,
+                tier_blocks={name: self._entries[i] for i, name in enumerate(TIERS)},
+                ignored_block_size=totals.ignored_block_size,
+                orphans=totals.orphans,
+                evicted=self._evicted,
+                unknown_removals=totals.unknown_removals,
+                stored=totals.stored,
+                removed=totals.removed,
+                cleared=totals.cleared,
+                queries=self._queries,
+            )
+
+    # ------------------------------------------------------------------ events
+
+    def _worker(self, instance: str, dp_rank: int) -> _Worker:
+        worker = self._workers.get((instance, dp_rank))
+        if worker is None:
+            if self._free_wids:
+                wid = heapq.heappop(self._free_wids)
+            else:
+                wid = len(self._by_wid)
+                self._by_wid.append(None)
+            worker = _Worker(wid, instance, dp_rank)
+            self._by_wid[wid] = worker
+            self._workers[(instance, dp_rank)] = worker
+        return worker
+
+    def _apply(self, worker: _Worker, event: Event, result: ApplyResult) -> None:
+        if type(event) is BlockStored:
+            self._store(worker, event, result)
+        elif type(event) is BlockRemoved:
+            self._remove(worker, event, result)
+        elif type(event) is AllBlocksCleared:
+            for tier in range(3):
+                self._clear_tier(worker, tier)
+            result.cleared += 1
+
+    def _tier(self, medium: str | None) -> int:
+        if medium is None:
+            return self._default_tier
+        return _TIER_INDEX[tier_of_medium(medium)]
+
+    def _parent_key(self, worker: _Worker, parent: int) -> tuple[int, int] | None:
+        parent &= _U64
+        for tier, mapping in enumerate(worker.maps):
+            key = mapping.get(parent)
+            if key is not None:
+                return key, tier
+        return None
+
+    def _store(self, worker: _Worker, event: BlockStored, result: ApplyResult) -> None:
+        if event.block_size != self.block_size or len(event.token_ids) != len(event.block_hashes) * self.block_size:
+            result.ignored_block_size += 1
+            if worker.instance not in self._size_logged:
+                self._size_logged.add(worker.instance)
+                log.warning(
+                    "instance %s: ignoring stored events with block_size %d, %d tokens (index block_size %d)",
+                    worker.instance,
+                    event.block_size,
+                    len(event.token_ids),
+                    self.block_size,
+                )
+            return
+        seed = lora_seed(event.lora_name)
+        parent_tier = -1
+        if event.parent_block_hash is None:
+            parent_key = seed
+        else:
+            found = self._parent_key(worker, event.parent_block_hash)
+            if found is None:
+                self._orphan(worker, event, result)
+                return
+            parent_key, parent_tier = found
+        keys = chain_hashes(local_block_hashes(event.token_ids, self.block_size, seed), parent_key)
+        tier = self._tier(event.medium)
+        mapping = worker.maps[tier]
+        masks = self._masks[tier]
+        dups = worker.dups[tier]
+        bit = worker.bit
+        lru = self.capacity_blocks is not None
+        pairs = zip(event.block_hashes, keys, strict=True)
+        for engine_hash, key in reversed(list(pairs)) if lru else pairs:
+            engine_hash &= _U64
+            old = mapping.get(engine_hash)
+            if old is not None:
+                if old == key:
+                    if lru:
+                        masks[key] = masks.pop(key)
+                    continue
+                self._drop(worker, tier, engine_hash, result)  # same id, new content: replace
+            mapping[engine_hash] = key
+            self._entries[tier] += 1
+            result.stored += 1
+            mask = masks.pop(key, 0) if lru else masks.get(key, 0)
+            if mask & bit:
+                dups[key] = dups.get(key, 0) + 1
+                if lru:
+                    masks[key] = mask
+            else:
+                masks[key] = mask | bit
+        if lru and parent_tier >= 0:
+            parent_masks = self._masks[parent_tier]
+            if parent_key in parent_masks:
+                parent_masks[parent_key] = parent_masks.pop(parent_key)
+
+    def _orphan(self, worker: _Worker, event: BlockStored, result: ApplyResult) -> None:
+        result.orphans += 1
+        level = logging.DEBUG if worker.orphan_logged else logging.WARNING
+        worker.orphan_logged = True
+        log.log(
+            level,
+            "instance %s rank %d: parent block %d unknown, skipping %d stored block(s)",
+            worker.instance,
+            worker.dp_rank,
+            event.parent_block_hash,
+            len(event.block_hashes),
+        )
+
+    def _remove(self, worker: _Worker, event: BlockRemoved, result: ApplyResult) -> None:
+        tier = self._tier(event.medium)
+        for engine_hash in event.block_hashes:
+            self._drop(worker, tier, engine_hash & _U64, result)
+
+    def _drop(self, worker: _Worker, tier: int, engine_hash: int, result: ApplyResult) -> None:
+        key = worker.maps[tier].pop(engine_hash, None)
+        if key is None:
+            result.unknown_removals += 1
+            return
+        self._entries[tier] -= 1
+        result.removed += 1
+        dups = worker.dups[tier]
+        extra = dups.get(key)
+        if extra:
+            if extra == 1:
+                del dups[key]
+            else:
+                dups[key] = extra - 1
+            return
+        masks = self._masks[tier]
+        mask = masks[key] ^ worker.bit
+        if mask:
+            masks[key] = mask
+        else:
+            del masks[key]
+
+    def _clear_tier(self, worker: _Worker, tier: int) -> None:
+        mapping = worker.maps[tier]
+        if not mapping:
+            return
+        masks = self._masks[tier]
+        bit = worker.bit
+        for key in mapping.values():
+            mask = masks.get(key, 0)
+            if mask & bit:  # a duplicate key was already cleared
+                mask ^= bit
+                if mask:
+                    masks[key] = mask
+                else:
+                    del masks[key]
+        self._entries[tier] -= len(mapping)
+        worker.maps[tier] = {}
+        worker.dups[tier] = {}
+
+    def _finish(self, result: ApplyResult) -> None:
+        self._totals.add(result)
+        capacity = self.capacity_blocks
+        if capacity is not None and sum(self._entries) > capacity:
+            self._evict(sum(self._entries) - capacity + max(1, capacity // _EVICT_FRACTION))
+
+    # ------------------------------------------------------------------ eviction
+
+    def _evict(self, count: int) -> None:
+        total = sum(self._entries)
+        for tier, masks in enumerate(self._masks):
+            quota = -(-count * self._entries[tier] // total) if total else 0
+            if quota <= 0:
+                continue
+            victims: dict[int, set[int]] = {}  # wid -> keys evicted in this tier
+            freed = 0
+            while masks and freed < quota:
+                # chunks: a fresh iterator rescans the holes popping left at the front
+                for key in list(islice(masks, 256)):
+                    mask = masks.pop(key)
+                    for wid in _bits(mask):
+                        victims.setdefault(wid, set()).add(key)
+                        freed += 1
+                    if freed >= quota:
+                        break
+            for wid, keys in victims.items():
+                worker = self._by_wid[wid]
+                if worker is not None:
+                    self._forget_keys(worker, tier, keys)
+
+    def _forget_keys(self, worker: _Worker, tier: int, keys: set[int]) -> None:
+        mapping = worker.maps[tier]
+        kept = {h: k for h, k in mapping.items() if k not in keys}
+        dropped = len(mapping) - len(kept)
+        worker.maps[tier] = kept
+        dups = worker.dups[tier]
+        for key in keys.intersection(dups):
+            del dups[key]
+        self._entries[tier] -= dropped
+        self._evicted += dropped
+
+    def _touch(self, keys: Sequence[int]) -> None:
+        for masks in self._masks:
+            if masks:
+                for key in reversed(keys):
+                    mask = masks.pop(key, None)
+                    if mask is not None:
+                        masks[key] = mask
+
+    # ------------------------------------------------------------------ query walk
+
+    def _instance_mask(self, instances: Collection[str]) -> int:
+        wanted = set(instances)
+        mask = 0
+        for (inst, _), worker in self._workers.items():
+            if inst in wanted:
+                mask |= worker.bit
+        return mask
+
+    def _walk(self, keys: Sequence[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
+        """Phase transitions ``(position, left npu, left cpu, finished)`` as worker masks,
+        and the depth up to which some worker matched."""
+        npu, cpu, disk = self._masks
+        first = keys[0]
+        in_npu = npu.get(first, 0) | cpu.get(first, 0) | disk.get(first, 0)
+        if allowed is not None:
+            in_npu &= allowed
+        in_cpu = in_disk = 0
+        records: list[tuple[int, int, int, int]] = []
+        position = 0
+        for position, key in enumerate(keys):  # position is used after the loop
+            kept = in_npu & npu.get(key, 0)
+            left_npu = in_npu ^ kept
+            in_npu = kept
+            left_cpu = finished = 0
+            if left_npu or in_cpu:
+                in_cpu |= left_npu
+                kept = in_cpu & cpu.get(key, 0)
+                left_cpu = in_cpu ^ kept
+                in_cpu = kept
+            if left_cpu or in_disk:
+                in_disk |= left_cpu
+                kept = in_disk & disk.get(key, 0)
+                finished = in_disk ^ kept
+                in_disk = kept
+            if left_npu or left_cpu or finished:
+                records.append((position, left_npu, left_cpu, finished))
+            if not (in_npu or in_cpu or in_disk):
+                return records, position
+        end = position + 1
+        records.append((end, in_npu, in_npu | in_cpu, in_npu | in_cpu | in_disk))
+        return records, end
+
+    def _resolve(self, records: list[tuple[int, int, int, int]]) -> dict[str, dict[int, TierHit]]:
+        out: dict[str, dict[int, TierHit]] = {}
+        npu_end: dict[int, int] = {}
+        cpu_end: dict[int, int] = {}
+        by_wid = self._by_wid
+
+        def emit(mask: int, hit: TierHit | None) -> None:
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                worker = by_wid[low.bit_length() - 1]
+                if worker is None:
+                    continue
+                if hit is None:  # per worker: end of its NPU and CPU phases
+                    n = npu_end.get(worker.wid, position)
+                    c = cpu_end.get(worker.wid, position)
+                    found = self._hit(n, c - n, position - c)
+                else:
+                    found = hit
+                ranks = out.get(worker.instance)
+                if ranks is None:
+                    ranks = out[worker.instance] = {}
+                ranks[worker.dp_rank] = found
+
+        for position, left_npu, left_cpu, finished in records:
+            pure = left_npu & finished  # NPU-only workers: no per-phase bookkeeping
+            if pure:
+                emit(pure, self._hit(position, 0, 0))
+            for wid in _bits(left_npu ^ pure):
+                npu_end[wid] = position
+            for wid in _bits(left_cpu & ~pure):
+                cpu_end[wid] = position
+            if position and finished ^ pure:
+                emit(finished ^ pure, None)
+        return out
+
+    def _hit(self, npu: int, cpu: int, disk: int) -> TierHit:
+        key = (npu, cpu, disk)
+        hit = self._hits.get(key)
+        if hit is None:
+            hit = self._hits[key] = TierHit(npu, cpu, disk)
+        return hit
+
+    # ------------------------------------------------------------------ size
+
+    def _estimate_bytes(self) -> int:
+        size = sum(sys.getsizeof(d) for d in self._masks)
+        int_size = 48  # a u64 int is 36 bytes, 48 allocated (16-byte pymalloc alignment)
+        mask_size = (sys.getsizeof(1 << max(len(self._by_wid) - 1, 0)) + 15) // 16 * 16
+        size += sum(len(d) for d in self._masks) * (int_size + mask_size)
+        for worker in self._workers.values():
+            for mapping in worker.maps:
+                size += sys.getsizeof(mapping) + len(mapping) * 2 * int_size
+        return size

@@ -1,0 +1,259 @@
+"""What one rank has announced as resident, per medium, and a snapshot of it in prefix order.
+
+``RankResidency.apply`` follows the announced stream (stores add, removals remove,
+``AllBlocksCleared`` clears every medium); ``iter_snapshot_events`` replays the result as
+``BlockStored`` events, parents before children, merging chains back into multi-block
+stores.  The fan-in keeps one per rank (fed with what it forwards) to answer snapshot
+requests; the rank side can reuse the class to reconcile against the radix tree.
+
+Memory: one dict entry per block; the value is a single ``bytes`` holding a 9-byte
+header (flags, parent hash) and the token ids as u32 (u64 if any id does not fit), so a
+128-token block costs about 630 bytes (554-byte value, int key, dict slot): 1M blocks of
+128 tokens take about 630 MB.  Rare per-block metadata (LoRA, salt, session) lives in a
+side dict only for the blocks that carry it.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Iterable, Iterator
+from typing import Union
+
+from sglang_kvpub.wire import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_EXTERNAL,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    to_i64,
+    to_u64,
+)
+
+__all__ = ["RankResidency", "BYTES_PER_BLOCK_OVERHEAD", "MEDIA_ORDER"]
+
+MEDIA_ORDER = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
+# Key int (32) + dict slot (~40) + bytes object header (33) + our header (9), measured on CPython 3.11.
+BYTES_PER_BLOCK_OVERHEAD = 114
+
+_HEAD = struct.Struct("<BQ")
+_HAS_PARENT = 1
+_WIDE = 2
+_NEG_PARENT = 4
+
+# (lora_id, lora_name, cache_salt, session_id)
+_Extras = tuple[Union[int, None], Union[str, None], Union[str, None], Union[str, None]]
+
+
+def _token_bytes(tokens: list[int]) -> tuple[bytes, bool]:
+    try:
+        return array("I", tokens).tobytes(), False
+    except (OverflowError, TypeError):
+        return array("q", tokens).tobytes(), True
+
+
+def _entry(parent: int | None, tokens: bytes, wide: bool) -> bytes:
+    flags = 0
+    value = 0
+    if parent is not None:
+        flags |= _HAS_PARENT
+        if parent < 0:
+            flags |= _NEG_PARENT
+        value = to_u64(parent)
+    if wide:
+        flags |= _WIDE
+    return _HEAD.pack(flags, value) + tokens
+
+
+def _parent_of(entry: bytes) -> int | None:
+    flags, value = _HEAD.unpack_from(entry)
+    if not flags & _HAS_PARENT:
+        return None
+    return to_i64(value) if flags & _NEG_PARENT else value
+
+
+def _tokens_of(entry: bytes) -> list[int]:
+    wide = entry[0] & _WIDE
+    tokens = array("q" if wide else "I")
+    tokens.frombytes(entry[_HEAD.size :])
+    return tokens.tolist()
+
+
+class RankResidency:
+    """Blocks announced as resident on one rank, per medium (insertion-ordered dicts)."""
+
+    def __init__(self, default_medium: str = MEDIUM_GPU) -> None:
+        self.default_medium = default_medium
+        self._media: dict[str, dict[int, bytes]] = {}
+        self._extras: dict[tuple[str, int], _Extras] = {}
+        self.unknown_removals = 0
+        self.clears = 0
+
+    # ------------------------------------------------------------------ updates
+
+    def apply(self, event: Event) -> None:
+        kind = type(event)
+        if kind is BlockStored:
+            self._store(event)  # type: ignore[arg-type]
+        elif kind is BlockRemoved:
+            self._remove(event)  # type: ignore[arg-type]
+        elif kind is AllBlocksCleared:
+            self.clear()
+
+    def apply_all(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.apply(event)
+
+    def clear(self) -> None:
+        self._media.clear()
+        self._extras.clear()
+        self.clears += 1
+
+    def _store(self, event: BlockStored) -> None:
+        medium = event.medium or self.default_medium
+        blocks = self._media.setdefault(medium, {})
+        hashes = event.block_hashes
+        if not hashes:
+            return
+        raw, wide = _token_bytes(event.token_ids)
+        step = (len(raw) // len(hashes)) if raw else 0
+        extras: _Extras = (event.lora_id, event.lora_name, event.cache_salt, event.session_id)
+        has_extras = extras != (None, None, None, None)
+        parent = event.parent_block_hash
+        for index, block_hash in enumerate(hashes):
+            blocks[block_hash] = _entry(parent, raw[index * step : (index + 1) * step], wide)
+            if has_extras:
+                self._extras[(medium, block_hash)] = extras
+            elif self._extras:
+                self._extras.pop((medium, block_hash), None)
+            parent = block_hash
+
+    def _remove(self, event: BlockRemoved) -> None:
+        medium = event.medium or self.default_medium
+        blocks = self._media.get(medium)
+        for block_hash in event.block_hashes:
+            if blocks is None or blocks.pop(block_hash, None) is None:
+                self.unknown_removals += 1
+            elif self._extras:
+                self._extras.pop((medium, block_hash), None)
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return sum(len(blocks) for blocks in self._media.values())
+
+    def counts(self) -> dict[str, int]:
+        return {medium: len(blocks) for medium, blocks in self._media.items() if blocks}
+
+    def contains(self, block_hash: int, medium: str | None = None) -> bool:
+        return block_hash in self._media.get(medium or self.default_medium, {})
+
+    def hashes(self, medium: str | None = None) -> list[int]:
+        return list(self._media.get(medium or self.default_medium, {}))
+
+    def parent(self, block_hash: int, medium: str | None = None) -> int | None:
+        return _parent_of(self._media[medium or self.default_medium][block_hash])
+
+    def tokens(self, block_hash: int, medium: str | None = None) -> list[int]:
+        return _tokens_of(self._media[medium or self.default_medium][block_hash])
+
+    def approx_bytes(self) -> int:
+        total = 0
+        for blocks in self._media.values():
+            total += len(blocks) * BYTES_PER_BLOCK_OVERHEAD
+            total += sum(len(entry) - _HEAD.size for entry in blocks.values())
+        return total
+
+    def copy(self) -> RankResidency:
+        """A frozen view for lazy snapshots: shallow dict copies (values are immutable)."""
+        other = RankResidency(self.default_medium)
+        other._media = {medium: dict(blocks) for medium, blocks in self._media.items() if blocks}
+        other._extras = dict(self._extras)
+        return other
+
+    # ------------------------------------------------------------------ snapshot
+
+    def media(self) -> list[str]:
+        present = [m for m in MEDIA_ORDER if self._media.get(m)]
+        return present + sorted(m for m, blocks in self._media.items() if blocks and m not in MEDIA_ORDER)
+
+    def snapshot_events(self, max_blocks_per_event: int = 64, include_clear: bool = True) -> list[Event]:
+        """``[AllBlocksCleared, BlockStored...]`` rebuilding exactly this state from nothing."""
+        events: list[Event] = [AllBlocksCleared()] if include_clear else []
+        events.extend(self.iter_snapshot_events(max_blocks_per_event))
+        return events
+
+    def iter_snapshot_events(self, max_blocks_per_event: int = 64) -> Iterator[BlockStored]:
+        """``BlockStored`` for every block, media in :data:`MEDIA_ORDER`, parents first.
+
+        Lazy: do not mutate this object while iterating (iterate a :meth:`copy`).
+        A block whose parent is not resident in the same medium starts a new root; its
+        ``parent_block_hash`` is still the announced one.
+        """
+        limit = max(1, max_blocks_per_event)
+        for medium in self.media():
+            yield from self._iter_medium(medium, limit)
+
+    def _iter_medium(self, medium: str, limit: int) -> Iterator[BlockStored]:
+        blocks = self._media[medium]
+        emitted: set[int] = set()
+        pending: BlockStored | None = None
+        for block_hash in blocks:
+            if block_hash in emitted:
+                continue
+            for node in self._unemitted_chain(blocks, block_hash, emitted):
+                emitted.add(node)
+                entry = blocks[node]
+                tokens = _tokens_of(entry)
+                extras = self._extras.get((medium, node))
+                parent = _parent_of(entry)
+                if (
+                    pending is not None
+                    and extras is None
+                    and pending.lora_id is None
+                    and pending.lora_name is None
+                    and pending.cache_salt is None
+                    and pending.session_id is None
+                    and parent == pending.block_hashes[-1]
+                    and len(tokens) == pending.block_size
+                    and len(pending.block_hashes) < limit
+                ):
+                    pending.block_hashes.append(node)
+                    pending.token_ids.extend(tokens)
+                    continue
+                if pending is not None:
+                    yield pending
+                pending = _stored(node, parent, tokens, medium, extras)
+        if pending is not None:
+            yield pending
+
+    @staticmethod
+    def _unemitted_chain(blocks: dict[int, bytes], block_hash: int, emitted: set[int]) -> list[int]:
+        """``block_hash`` and its not-yet-emitted ancestors in this medium, root first."""
+        chain = [block_hash]
+        seen = {block_hash}
+        parent = _parent_of(blocks[block_hash])
+        while parent is not None and parent in blocks and parent not in emitted and parent not in seen:
+            chain.append(parent)
+            seen.add(parent)
+            parent = _parent_of(blocks[parent])
+        chain.reverse()
+        return chain
+
+
+def _stored(block_hash: int, parent: int | None, tokens: list[int], medium: str, extras: _Extras | None) -> BlockStored:
+    lora_id, lora_name, cache_salt, session_id = extras or (None, None, None, None)
+    return BlockStored(
+        block_hashes=[block_hash],
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=len(tokens),
+        lora_id=lora_id,
+        medium=medium,
+        lora_name=lora_name,
+        cache_salt=cache_salt,
+        session_id=session_id,
+    )

@@ -1,0 +1,222 @@
+"""check-config catches each problem of a Motor user config; registrations are read like the conductor."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from motor_adapter.cli import main
+from motor_adapter.motor import Finding, RegistrationError, check_config, parse_registration, parse_unregistration
+from motor_adapter.service import ServiceConfig
+
+pytestmark = pytest.mark.unit
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "motor_user_config.json"
+ENV: dict[str, str] = {}
+
+
+@pytest.fixture
+def good() -> dict[str, Any]:
+    return json.loads(EXAMPLE.read_text())
+
+
+def _engine(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["motor_engine_prefill_config"]["engine_config"]  # type: ignore[no-any-return]
+
+
+def _scheduler(cfg: dict[str, Any]) -> dict[str, Any]:
+    return cfg["motor_coordinator_config"]["scheduler_config"]  # type: ignore[no-any-return]
+
+
+def _problems(cfg: Any) -> list[Finding]:
+    return [f for f in check_config(cfg, ENV) if f.severity == "problem"]
+
+
+def test_the_documented_example_is_clean(good: dict[str, Any]) -> None:
+    assert _problems(good) == []
+    assert main(["check-config", str(EXAMPLE)]) == 0
+
+
+def _set_block_size(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["kv_conductor_config"]["block_size"] = 64
+
+
+def _drop_block_size_with_page_256(cfg: dict[str, Any]) -> None:
+    del _scheduler(cfg)["kv_conductor_config"]["block_size"]
+    _engine(cfg)["page-size"] = 256
+
+
+def _drop_events(cfg: dict[str, Any]) -> None:
+    del _engine(cfg)["kv-events-config"]
+
+
+def _events_bad_json(cfg: dict[str, Any]) -> None:
+    _engine(cfg)["kv-events-config"] = "{publisher: zmq"
+
+
+def _no_plugin(cfg: dict[str, Any]) -> None:
+    del _engine(cfg)["plugin"]
+
+
+def _replay_overlap(cfg: dict[str, Any]) -> None:
+    del _engine(cfg)["plugin"]
+    cfg["motor_deploy_config"]["enable_multi_endpoints"] = True  # not the DP0 problem, only the ports
+    _engine(cfg)["kv-events-config"]["replay_endpoint"] = "tcp://*:5565"  # inside 5557..5572
+
+
+def _replay_equal_with_plugin(cfg: dict[str, Any]) -> None:
+    _engine(cfg)["kv-events-config"]["replay_endpoint"] = "tcp://*:5557"
+
+
+def _engine_type(cfg: dict[str, Any]) -> None:
+    del _scheduler(cfg)["kv_conductor_config"]["engine_type"]
+
+
+def _negative_weight(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["kv_affinity"]["w_npu"] = -1
+
+
+def _unknown_mode(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["kv_affinity"]["mode"] = "greedy"
+
+
+def _w_cpu_without_plugin(cfg: dict[str, Any]) -> None:
+    del _engine(cfg)["plugin"]
+    cfg["motor_deploy_config"]["enable_multi_endpoints"] = True
+    _scheduler(cfg)["kv_affinity"]["w_cpu"] = 1.0
+    _engine(cfg)["enable-hierarchical-cache"] = True
+    _engine(cfg)["hicache-write-policy"] = "write_through"
+
+
+def _scheduler_type(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["scheduler_type"] = "load_balance"
+
+
+def _no_conductor_service(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["kv_conductor_config"]["conductor_service"] = ""
+
+
+def _publisher(cfg: dict[str, Any]) -> None:
+    _engine(cfg)["kv-events-config"]["publisher"] = "null"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "key", "words"),
+    [
+        (_set_block_size, "kv_conductor_config.block_size", "page-size is 128"),
+        (_drop_block_size_with_page_256, "kv_conductor_config.block_size", "not SGLang's page-size"),
+        (_drop_events, "kv-events-config", "is missing"),
+        (_events_bad_json, "kv-events-config", "not valid JSON"),
+        (_no_plugin, "engine_config.plugin", "ranks 1..N-1 are invisible"),
+        (_replay_overlap, "replay_endpoint", "overlap the event ports 5557..5572"),
+        (_replay_equal_with_plugin, "replay_endpoint", "overlap"),
+        (_engine_type, "kv_conductor_config.engine_type", "engine_type is sglang"),
+        (_negative_weight, "kv_affinity", "w_npu"),
+        (_unknown_mode, "kv_affinity", "greedy"),
+        (_w_cpu_without_plugin, "kv_affinity.w_cpu", "exclusive split"),
+        (_scheduler_type, "scheduler_type", "KV affinity is off"),
+        (_no_conductor_service, "conductor_service", "never queries"),
+        (_publisher, "kv-events-config.publisher", "'null'"),
+    ],
+)
+def test_each_problem_is_named_with_its_key_and_fix(
+    good: dict[str, Any], mutate: Any, key: str, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = copy.deepcopy(good)
+    mutate(cfg)
+    problems = _problems(cfg)
+    assert problems, "expected a problem"
+    assert any(key in p.key and words in p.message for p in problems), problems
+    assert all(p.fix for p in problems)
+    path = tmp_path / "user_config.json"
+    path.write_text(json.dumps(cfg))
+    assert main(["check-config", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "fix:" in out and key in out
+
+
+def test_conductor_service_from_env_is_fine(good: dict[str, Any]) -> None:
+    _no_conductor_service(good)
+    assert not [f for f in check_config(good, {"KV_CONDUCTOR_SERVICE": "10.0.0.1"}) if "conductor_service" in f.key]
+
+
+def test_not_json_and_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{")
+    assert main(["check-config", str(path)]) == 1
+    assert _problems([1, 2])[0].key == "<root>"
+
+
+# --------------------------------------------------------------------------- registrations
+
+
+def test_medium_aliases_and_the_repeated_engine_url() -> None:
+    url = "tcp://10.0.0.1:5557"
+    reg = parse_registration(
+        {"instance_id": "vllm-prefill-0", "medium_endpoints": {"HBM": url, "host": url, "nof_ssd": url}}
+    )
+    assert reg.media == {"npu": url, "cpu": url, "disk": url}
+    assert reg.stream == url and reg.mode == "engine"
+    assert any("repeats the engine URL" in w for w in reg.warnings)
+    assert (reg.model, reg.tenant, reg.block_size, reg.dp_rank) == ("default", "default", 128, 0)
+
+
+def test_compat_and_fanned_in_and_pools() -> None:
+    base = {"instance_id": "p", "medium_endpoints": {"gpu": "tcp://h:5557"}, "type": "sglang", "dp_size": 8}
+    assert parse_registration(base).mode == "compat" and parse_registration(base).compat_dp_size == 8
+    fanned = parse_registration({**base, "fanned_in": True})
+    assert fanned.mode == "engine" and fanned.compat_dp_size is None
+    assert parse_registration({**base, "type": "vLLM"}).mode == "engine"
+    pool = parse_registration({"instance_id": "Mooncake-pool", "endpoint": "tcp://m:5557"})
+    assert pool.mode == "pool" and pool.stream is None
+    legacy = parse_registration({"instance_id": "vllm-prefill-1", "endpoint": "tcp://e:5557"})
+    assert legacy.mode == "engine" and legacy.media == {"npu": "tcp://e:5557"}
+    yuanrong = parse_registration({"instance_id": "yuanrong-pool-x", "medium_endpoints": {"cpu": "tcp://y:1"}})
+    assert yuanrong.mode == "pool"
+    assert parse_registration({"instance_id": "http-only"}).mode == "http_only"
+    split = parse_registration({"instance_id": "p", "medium_endpoints": {"npu": "tcp://a:1", "disk": "tcp://b:2"}})
+    assert split.stream == "tcp://a:1" and any("not followed" in w for w in split.warnings)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        [],
+        {},
+        {"instance_id": ""},
+        {"instance_id": "x", "dp_rank": -1},
+        {"instance_id": "x", "dp_rank": True},
+        {"instance_id": "x", "block_size": 0},
+        {"instance_id": "x", "medium_endpoints": []},
+        {"instance_id": "x", "replay_endpoint": 5},
+        {"instance_id": "x", "dp_size": 0},
+    ],
+)
+def test_bad_registrations_name_the_field(body: Any) -> None:
+    with pytest.raises(RegistrationError):
+        parse_registration(body)
+
+
+def test_unregistration_and_idempotence() -> None:
+    un = parse_unregistration({"instance_id": "a", "modelname": "m"})
+    assert (un.dp_rank, un.model, un.tenant) == (None, "m", "default")
+    a = parse_registration({"instance_id": "a", "medium_endpoints": {"npu": "tcp://h:1"}})
+    b = parse_registration({"instance_id": "a", "medium_endpoints": {"device": "tcp://h:1"}})
+    assert a.same_as(b)
+
+
+def test_service_config_reads_motor_config_and_env(good: dict[str, Any], tmp_path: Path) -> None:
+    motor = tmp_path / "user_config.json"
+    motor.write_text(json.dumps(good))
+    cfg = ServiceConfig.from_mapping({"motor_config": str(motor), "port": 14000}, env={"MOTOR_KV_ADAPTER_TOKEN": "t"})
+    assert (cfg.port, cfg.auth_token, cfg.kv_affinity.w_cpu, cfg.kv_affinity.block_size) == (14000, "t", 0.0, 128)
+    assert cfg.host == "127.0.0.1"
+    with pytest.raises(ValueError, match="unknown service setting"):
+        ServiceConfig.from_mapping({"prot": 1})
+    example = EXAMPLE.parent / "adapter_config.json"
+    loaded = ServiceConfig.from_file(str(example), env={})
+    assert loaded.tokenizer_path == "/models/DeepSeek-V4-Flash" and loaded.max_body_bytes == 8 << 20
