@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import queue
 import statistics
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 import zmq
@@ -114,7 +113,7 @@ class _Head(msgspec.Struct, array_like=True):
 
     ts: float
     events: msgspec.Raw
-    dp_rank: Optional[int] = None
+    dp_rank: int | None = None
 
 
 def subscriber(endpoints: list[str], ready: Any, stop: Any, out: Any) -> None:

@@ -92,15 +92,33 @@ def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: flo
 
 
 def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, list[list[int]]]:
+    from motor_adapter.affinity import KvAffinity
     from motor_adapter.motor import parse_registration
     from motor_adapter.scoring import KvAffinityConfig
     from motor_adapter.service import AdapterState, ServiceConfig
     from sglang_kvpub import wire
 
-    state = AdapterState(ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS)))
+    class _Quiet:
+        """No stream: the bench fills the index directly and measures the HTTP path only."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def stop(self) -> None:
+            pass
+
+        def health(self) -> None:
+            return None
+
+    state = AdapterState(
+        ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS)),
+        affinity_factory=lambda cfg, cap: KvAffinity(cfg, cap, subscriber_factory=_Quiet),
+    )
     prompts = [_prompt(rng, args.tokens) for _ in range(args.prompts)]
     for i in range(args.instances):
-        # Nothing publishes on these endpoints: the index is filled directly below.
         url = f"tcp://127.0.0.1:{_free_port()}"
         reg = parse_registration(
             {
@@ -114,6 +132,7 @@ def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, lis
         )
         state.register(reg)
         aff = state.affinity(MODEL, "default", BS)
+        assert aff is not None
         for rank in range(args.ranks):
             for p, tokens in enumerate(prompts):
                 if (p + rank + i) % 3:  # every prompt cached on some ranks of some instances

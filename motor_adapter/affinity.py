@@ -107,7 +107,7 @@ class KvAffinity:
         self.cfg = cfg
         self.index = index if index is not None else _default_index(cfg.block_size, capacity_blocks)
         self._factory = subscriber_factory
-        self._context = context
+        self._context = context if context is not None else zmq.Context.instance()
         self._instances: dict[str, _Instance] = {}
         self._lock = threading.Lock()  # guards _instances; the index guards itself
         self._closed = False
@@ -207,6 +207,14 @@ class KvAffinity:
         if not known:
             return {}
         found = self.index.query(list(token_ids), lora_name=lora_name, instances=known)
+        return {instance: dict(found.get(instance, {})) for instance in known}
+
+    def query_keys(self, keys: Sequence[int]) -> dict[str, dict[int, TierCounts]]:
+        """Like :meth:`query`, from chained block keys (``hashing.chain_hashes``)."""
+        known = self.instances()
+        if not known:
+            return {}
+        found = self.index.query_keys(list(keys), instances=known)
         return {instance: dict(found.get(instance, {})) for instance in known}
 
     def select(

@@ -6,6 +6,7 @@ loop (the stream figures are read from the subscribers' health snapshots at scra
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 
@@ -63,6 +64,10 @@ class Counter(_Metric):
         key = _key(labels)
         self._values[key] = self._values.get(key, 0.0) + amount
 
+    def inc_labels(self, labels: Labels, amount: float = 1.0) -> None:
+        """Hot-path ``inc``: ``labels`` already sorted by name, values already strings."""
+        self._values[labels] = self._values.get(labels, 0.0) + amount
+
     def value(self, **labels: object) -> float:
         return self._values.get(_key(labels), 0.0)
 
@@ -88,30 +93,33 @@ class Histogram(_Metric):
     def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> None:
         super().__init__(name, help_text)
         self.buckets = tuple(sorted(buckets))
-        self._series: dict[Labels, list[float]] = {}  # bucket counts..., +Inf count, sum
+        # per series: count per bucket (not cumulative; the last one is +Inf), then the sum
+        self._series: dict[Labels, list[float]] = {}
 
     def observe(self, value: float, **labels: object) -> None:
-        key = _key(labels)
-        series = self._series.get(key)
+        self.observe_labels(value, _key(labels))
+
+    def observe_labels(self, value: float, labels: Labels) -> None:
+        series = self._series.get(labels)
         if series is None:
-            series = self._series[key] = [0.0] * (len(self.buckets) + 2)
-        for i, bound in enumerate(self.buckets):
-            if value <= bound:
-                series[i] += 1
-        series[-2] += 1
+            series = self._series[labels] = [0.0] * (len(self.buckets) + 2)
+        series[bisect.bisect_left(self.buckets, value)] += 1
         series[-1] += value
 
     def count(self, **labels: object) -> int:
         series = self._series.get(_key(labels))
-        return int(series[-2]) if series else 0
+        return int(sum(series[:-1])) if series else 0
 
     def lines(self) -> list[str]:
         out: list[str] = []
         for key, series in sorted(self._series.items()):
+            total = 0.0
             for bound, count in zip(self.buckets, series, strict=False):
-                out.append(f"{self.name}_bucket{_labels(key, (('le', _number(bound)),))} {_number(count)}")
-            out.append(f"{self.name}_bucket{_labels(key, (('le', '+Inf'),))} {_number(series[-2])}")
-            out.append(f"{self.name}_count{_labels(key)} {_number(series[-2])}")
+                total += count
+                out.append(f"{self.name}_bucket{_labels(key, (('le', _number(bound)),))} {_number(total)}")
+            count_all = sum(series[:-1])
+            out.append(f"{self.name}_bucket{_labels(key, (('le', '+Inf'),))} {_number(count_all)}")
+            out.append(f"{self.name}_count{_labels(key)} {_number(count_all)}")
             out.append(f"{self.name}_sum{_labels(key)} {_number(series[-1])}")
         return out
 

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 from aiohttp import web
@@ -61,6 +61,28 @@ _U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
+_BLOCK_SIZE = Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
+
+
+class QueryBody(msgspec.Struct, kw_only=True):
+    """``/query`` and ``/query_by_hash``: decoded AND validated in C (the hot path)."""
+
+    model: Union[str, None] = None
+    block_size: _BLOCK_SIZE = 128
+    tenant_id: Union[str, None] = None
+    token_ids: Union[list[_U32], None] = None
+    block_hashes: Union[list[int], None] = None  # i64 or u64: range checked by the handler
+    prompt: Any = None
+    messages: Any = None
+    tools: Any = None
+
+    def common(self) -> tuple[str, str, int]:
+        if not self.model:
+            raise RequestError(400, "bad_field", "model must be a non-empty string")
+        return self.model, self.tenant_id or DEFAULT_TENANT, self.block_size
+
 
 AffinityFactory = Callable[[KvAffinityConfig, Union[int, None]], KvAffinity]
 Hits = dict[str, dict[int, TierCounts]]
@@ -144,24 +166,10 @@ def _field_block_size(body: Mapping[str, Any], default: int) -> int:
 
 def token_ids_of(value: Any) -> list[int]:
     """Validated token ids: integers in [0, 2^32) (the conductor hashes them as u32)."""
-    if not isinstance(value, list):
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers, got {type(value).__name__}")
-    for token in value:
-        if type(token) is not int or not 0 <= token <= _U32_MAX:
-            raise RequestError(400, "bad_field", f"token_ids must hold integers in [0, 2^32), found {token!r}")
-    return value
-
-
-def block_hashes_of(value: Any) -> list[int]:
-    """Local block hashes as u64 (signed int64 accepted and reinterpreted)."""
-    if not isinstance(value, list):
-        raise RequestError(400, "bad_field", "block_hashes must be a list of integers")
-    out: list[int] = []
-    for item in value:
-        if type(item) is not int or not _I64_MIN <= item <= _U64_MASK:
-            raise RequestError(400, "bad_field", f"block_hashes must hold 64-bit integers, found {item!r}")
-        out.append(item & _U64_MASK)
-    return out
+    try:
+        return msgspec.convert(value, list[_U32])
+    except msgspec.ValidationError as exc:
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
 
 
 # --------------------------------------------------------------------------- state
@@ -188,6 +196,7 @@ class AdapterState:
         self._registrations: dict[tuple[str, str, str, int], Registration] = {}
         self._indexes: dict[tuple[str, str, int], _Index] = {}
         self._tokenizers: dict[str, Any] = {}
+        self._configs: dict[int, KvAffinityConfig] = {}
         self.metrics = _Metrics()
 
     # ------------------------------------------------------------------ registration
@@ -218,7 +227,7 @@ class AdapterState:
         index_key = (reg.model, reg.tenant, reg.block_size)
         entry = self._indexes.get(index_key)
         if entry is None:
-            cfg = dataclasses.replace(self.config.kv_affinity, block_size=reg.block_size)
+            cfg = self.scoring_config(reg.block_size)
             entry = self._indexes[index_key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
         if reg.stream is None:
             return
@@ -261,6 +270,13 @@ class AdapterState:
                 for r in self._registrations.values()
                 if (model is None or r.model == model) and (tenant is None or r.tenant == tenant)
             ]
+
+    def scoring_config(self, block_size: int) -> KvAffinityConfig:
+        """The configured weights at ``block_size`` (cached: building one validates it)."""
+        cfg = self._configs.get(block_size)
+        if cfg is None:
+            cfg = self._configs[block_size] = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        return cfg
 
     def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None:
         with self._lock:
@@ -311,7 +327,7 @@ class AdapterState:
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
-        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        cfg = self.scoring_config(block_size)
         response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
         self.metrics.observe_query(model, response[tenant], len(token_ids) // block_size, started, block_size)
         return response
@@ -320,9 +336,9 @@ class AdapterState:
         started = time.perf_counter()
         keys = chain_hashes(local_hashes)
         hits, dps, _ = self.instance_hits(
-            model, tenant, block_size, lambda aff: aff.index.query_keys(keys, instances=aff.instances())
+            model, tenant, block_size, lambda aff: aff.query_keys(keys)
         )
-        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        cfg = self.scoring_config(block_size)
         response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
         self.metrics.observe_query(model, response[tenant], len(keys), started, block_size)
         return response
@@ -336,7 +352,7 @@ class AdapterState:
         token_ids: Sequence[int],
     ) -> Any:
         """Motor's decision; instances without a single hit block count as absent (cold -> load_balance)."""
-        cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+        cfg = self.scoring_config(block_size)
         hits: Hits | None = None
         if len(token_ids) >= block_size:
             try:
@@ -443,6 +459,9 @@ _STREAM_FIELDS = (
 )
 
 
+_TIERS = (("npu", "npu_blocks"), ("cpu", "cpu_blocks"), ("disk", "disk_blocks"))
+
+
 class _Metrics:
     def __init__(self) -> None:
         reg = metrics.Registry()
@@ -462,24 +481,29 @@ class _Metrics:
     def observe_query(
         self, model: str, instances: Mapping[str, Any], blocks: int, started: float, block_size: int
     ) -> None:
-        self.latency.observe(time.perf_counter() - started, model=model)
-        self.query_blocks.inc(blocks, model=model)
+        model_label = (("model", model),)
+        self.latency.observe_labels(time.perf_counter() - started, model_label)
+        self.query_blocks.inc_labels(model_label, blocks)
         best = 0
         for instance, entry in instances.items():
-            best = max(best, int(entry["longest_matched"]) // block_size)
+            longest = entry["longest_matched"]
+            if not longest:
+                continue
+            best = max(best, longest // block_size)
             for dp, fig in entry["DP"].items():
                 if not fig["matched_tokens"]:
                     continue
-                for tier in ("npu", "cpu", "disk"):
-                    if fig[f"{tier}_blocks"]:
-                        self.instance_hits.inc(
-                            fig[f"{tier}_blocks"],
-                            instance=instance,
-                            dp=dp,
-                            engine_dp_rank=fig.get("engine_dp_rank"),
-                            tier=tier,
+                for tier, field in _TIERS:
+                    count = fig[field]
+                    if count:
+                        labels = (
+                            ("dp", dp),
+                            ("engine_dp_rank", str(fig.get("engine_dp_rank"))),
+                            ("instance", instance),
+                            ("tier", tier),
                         )
-        self.hit_blocks.inc(min(best, blocks), model=model)
+                        self.instance_hits.inc_labels(labels, count)
+        self.hit_blocks.inc_labels(model_label, min(best, blocks))
 
     def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
         names: dict[tuple[str, str, int, str], str] = {}
@@ -525,6 +549,13 @@ def _as_dict(value: Any) -> Any:
     return value
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
+def _json_response(data: Any) -> web.Response:
+    return web.Response(body=_ENCODER.encode(data), content_type="application/json")
+
+
 def _error(status: int, reason: str, detail: str) -> web.Response:
     return web.json_response({"error": reason, "detail": detail}, status=status)
 
@@ -535,9 +566,21 @@ class _Handlers:
         self.config = state.config
         self._json = msgspec.json.Decoder()
         self._msgpack = msgspec.msgpack.Decoder()
+        self._query_json = msgspec.json.Decoder(QueryBody)
+        self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
         self._register_lock = asyncio.Lock()
 
     async def body(self, request: web.Request) -> dict[str, Any]:
+        data = await self._decode(request, self._msgpack, self._json)
+        if not isinstance(data, dict):
+            raise RequestError(400, "bad_body", f"the body must be an object, got {type(data).__name__}")
+        return data
+
+    async def query_body(self, request: web.Request) -> QueryBody:
+        body: QueryBody = await self._decode(request, self._query_msgpack, self._query_json)
+        return body
+
+    async def _decode(self, request: web.Request, msgpack_decoder: Any, json_decoder: Any) -> Any:
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise RequestError(413, "body_too_large", f"{request.content_length} bytes > limit {limit}")
@@ -549,13 +592,13 @@ class _Handlers:
             raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
         is_msgpack = request.content_type in MSGPACK_TYPES
         try:
-            data = self._msgpack.decode(raw) if is_msgpack else self._json.decode(raw)
+            return msgpack_decoder.decode(raw) if is_msgpack else json_decoder.decode(raw)
+        except msgspec.ValidationError as exc:  # well-formed, wrong shape: name the field
+            reason = "bad_field" if "at `$." in str(exc) else "bad_body"
+            raise RequestError(400, reason, str(exc)) from exc
         except msgspec.DecodeError as exc:
             kind = "msgpack" if is_msgpack else "JSON"
             raise RequestError(400, f"invalid_{kind.lower()}", f"the body is not valid {kind}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise RequestError(400, "bad_body", f"the body must be an object, got {type(data).__name__}")
-        return data
 
     def authorize(self, request: web.Request) -> None:
         token = self.config.auth_token
@@ -602,16 +645,23 @@ class _Handlers:
         return await asyncio.to_thread(self.state.tokens_of, model, body)  # tokenizers are slow
 
     async def query(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        model, tenant, block_size = self._common(body)
-        tokens = await self._tokens(model, body)
-        return web.json_response(self.state.query(model, tenant, block_size, tokens))
+        body = await self.query_body(request)
+        model, tenant, block_size = body.common()
+        tokens = body.token_ids
+        if tokens is None:
+            fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
+            tokens = await asyncio.to_thread(self.state.tokens_of, model, fields)
+        return _json_response(self.state.query(model, tenant, block_size, tokens))
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        model, tenant, block_size = self._common(body)
-        hashes = block_hashes_of(body.get("block_hashes"))
-        return web.json_response(self.state.query_by_hash(model, tenant, block_size, hashes))
+        body = await self.query_body(request)
+        model, tenant, block_size = body.common()
+        if body.block_hashes is None:
+            raise RequestError(400, "bad_field", "block_hashes (a list of 64-bit local block hashes) is required")
+        if any(not _I64_MIN <= h <= _U64_MASK for h in body.block_hashes):
+            raise RequestError(400, "bad_field", "block_hashes must hold 64-bit integers (u64, or i64)")
+        hashes = [h & _U64_MASK for h in body.block_hashes]
+        return _json_response(self.state.query_by_hash(model, tenant, block_size, hashes))
 
     async def select(self, request: web.Request) -> web.Response:
         body = await self.body(request)

@@ -10,7 +10,11 @@ Two kinds of source:
   every publisher start, has no epoch bits and no heartbeats, and its replay ROUTER ignores
   snapshot requests.  Without heartbeats liveness cannot be enforced: such a stream is
   never reconnected by us (ZMQ itself still reconnects the TCP connection), and
-  ``connected`` only means that a message has arrived since the socket was opened.
+  ``connected`` only means that a message (or a replay answer) has arrived since the
+  socket was opened.  A plain publisher restarted behind ZMQ's own reconnect is
+  recognised by a seq at or below one already seen live, or by a seq that a replay
+  gave with other content; one whose first heard seq is beyond everything seen before
+  is indistinguishable from a gap (replayed from its buffer, then continued).
 
 One background thread per subscriber owns every socket and every index write for its
 scope (the whole instance, or one rank in compatibility mode).  Its state machine:
@@ -181,6 +185,7 @@ class StreamSubscriber:
         self._need_sync = False
         self._snapshot_ok: bool | None = None  # None: not known yet
         self._gap_key: tuple[int, int] | None = None
+        self._restarted_by: _Item | None = None
         self._replayed: collections.OrderedDict[int, int] = collections.OrderedDict()  # seq -> payload digest
         self._warned_no_replay = False
         # liveness (thread-owned)
@@ -265,7 +270,10 @@ class StreamSubscriber:
             self._started_at = time.monotonic()
             self._open()
             if self.replay_endpoint:
-                self._initial_sync()
+                try:
+                    self._initial_sync()
+                except Exception:
+                    log.exception("stream %s: initial sync failed", self.endpoint)
             while not self._stop.is_set():
                 try:
                     self._step()
@@ -426,6 +434,11 @@ class StreamSubscriber:
         self._replayed.clear()
 
     def _restart(self, item: _Item, reason: str) -> None:
+        if item is self._restarted_by:
+            # still inconsistent with the state just rebuilt: older than it; it is covered
+            log.info("stream %s: dropped batch %d that predates the rebuilt state", self.endpoint, item.seq)
+            return
+        self._restarted_by = item
         self._c.restarts += 1
         log.warning("stream %s: publisher restarted (%s); rebuilding %s", self.endpoint, reason, self._scope())
         self._clear_scope()
@@ -527,7 +540,6 @@ class StreamSubscriber:
 
     def _apply_history(self, replies: list[_Item]) -> None:
         """Applies replayed batches in order from the first one that follows ``last``."""
-        self._gap_key = None
         if self._last is None:
             self._apply_replayed(replies[0])
             self._c.replayed_batches += 1
@@ -592,6 +604,7 @@ class StreamSubscriber:
                 if self._sub is not None and self._sub in events:
                     self._read_live()
                 if dealer in events:
+                    self._last_msg = time.monotonic()  # the publisher's process answers: it is up
                     done = self._read_replies(dealer, replies)
                     if done is not None:
                         return _Fetch(done, replies)

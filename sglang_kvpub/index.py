@@ -12,10 +12,11 @@ is an opaque id, kept per worker ``(instance, dp_rank)`` and per tier only to re
 that sends i64 and one that sends u64 forms of the same value are the same block.
 
 Layout.  Workers get small integer ids (recycled by :meth:`PrefixIndex.clear_instance`,
-lowest first, to keep masks short).  Per tier, one dict maps a key to an int bitmask of
-the workers holding it; per worker and tier, one dict maps engine hash -> key.  A query
-walks the prompt's keys once, ANDing masks, and only touches individual workers when they
-leave a tier phase.
+lowest first, to keep masks short).  Per tier, one dict maps a key to the workers holding
+it: ``~wid`` (a negative int) for a single holder - most blocks have one, and a small int
+costs far less than a wide bitmask - else an int bitmask of two or more.  Per worker and
+tier, one dict maps engine hash -> key.  A query walks the prompt's keys once, ANDing
+masks, and only touches individual workers when they leave a tier phase.
 
 Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
 CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
@@ -41,13 +42,16 @@ from __future__ import annotations
 
 import heapq
 import logging
+import struct
 import sys
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
+import xxhash
+
+from .hashing import chain_hashes, local_block_hashes, lora_seed
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
@@ -60,9 +64,11 @@ __all__ = [
     "ApplyResult",
     "IndexStats",
     "PrefixIndex",
+    "local_hashes",
 ]
 
 log = logging.getLogger(__name__)
+_xxh3 = xxhash.xxh3_64_intdigest
 
 TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
 TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
@@ -140,9 +146,9 @@ class ApplyResult:
 class IndexStats:
     """Counters and size.  ``blocks`` = entries (worker x tier x block); ``keys`` = distinct
     (tier, key) pairs.  ``bytes_per_entry`` is an estimate: the sizes of every dict table
-    (``sys.getsizeof``) plus 64-bit ints at their allocated size and masks at the size of
-    the widest worker bit, divided by ``blocks``; ``bench/index.py`` measures the real
-    figure with tracemalloc."""
+    (``sys.getsizeof``) plus 64-bit ints and holders values (sampled) at their ALLOCATED
+    size (pymalloc rounds to 16 bytes), divided by ``blocks``.  ``bench/index.py`` also
+    measures the requested bytes with tracemalloc, which does not see that rounding."""
 
     blocks: int
     keys: int
@@ -162,11 +168,12 @@ class IndexStats:
 class _Worker:
     """One (instance, dp_rank): its bit and, per tier, engine hash -> key."""
 
-    __slots__ = ("bit", "dp_rank", "dups", "instance", "maps", "orphan_logged", "wid")
+    __slots__ = ("bit", "dp_rank", "dups", "instance", "maps", "orphan_logged", "single", "wid")
 
     def __init__(self, wid: int, instance: str, dp_rank: int) -> None:
         self.wid = wid
         self.bit = 1 << wid
+        self.single = ~wid  # one shared int object: single-holder keys cost no int of their own
         self.instance = instance
         self.dp_rank = dp_rank
         self.maps: list[dict[int, int]] = [{}, {}, {}]
@@ -174,6 +181,37 @@ class _Worker:
         # set once; it is cleared only when the last one goes)
         self.dups: list[dict[int, int]] = [{}, {}, {}]
         self.orphan_logged = False
+
+
+_PACKERS: dict[int, struct.Struct] = {}  # blocks -> packer of that many blocks' token ids
+
+
+def local_hashes(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """``hashing.local_block_hashes`` (equal results, tested), about twice as fast: a
+    cached ``struct`` packer instead of ``array``; token ids outside u32 take that path."""
+    blocks = len(tokens) // block_size
+    packer = _PACKERS.get(blocks * block_size)
+    if packer is None:
+        if len(_PACKERS) > 512:
+            _PACKERS.clear()
+        packer = _PACKERS[blocks * block_size] = struct.Struct(f"<{blocks * block_size}I")
+    full = blocks * block_size
+    try:
+        raw = memoryview(packer.pack(*(tokens if len(tokens) == full else tokens[:full])))
+    except struct.error:
+        return local_block_hashes(tokens, block_size, seed)
+    step = block_size * 4
+    return [_xxh3(raw[i : i + step], seed) for i in range(0, blocks * step, step)]
+
+
+def _mask(holders: int) -> int:
+    """The bitmask of a holders value (``~wid`` for one worker, else a bitmask)."""
+    return holders if holders >= 0 else 1 << ~holders
+
+
+def _holders(mask: int) -> int:
+    """The compact holders value of a non-zero bitmask."""
+    return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -197,10 +235,11 @@ class PrefixIndex:
         self.default_medium = default_medium
         self._default_tier = _TIER_INDEX[tier_of_medium(default_medium)]
         self._lock = threading.Lock()
-        self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> worker bitmask
+        self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> holders (see _mask)
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._by_wid: list[_Worker | None] = []
         self._free_wids: list[int] = []
+        self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -248,6 +287,7 @@ class PrefixIndex:
                 for tier in range(3):
                     self._clear_tier(worker, tier)
                 self._by_wid[worker.wid] = None
+                self._inst_masks.pop(instance, None)
                 heapq.heappush(self._free_wids, worker.wid)
             self._size_logged.discard(instance)
 
@@ -257,7 +297,8 @@ class PrefixIndex:
         self, token_ids: Sequence[int], lora_name: str | None = None, instances: Collection[str] | None = None
     ) -> dict[str, dict[int, TierHit]]:
         """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0."""
-        return self.query_keys(sequence_keys(token_ids, self.block_size, lora_name), instances)
+        seed = lora_seed(lora_name)  # the keys of hashing.sequence_keys, computed faster
+        return self.query_keys(chain_hashes(local_hashes(token_ids, self.block_size, seed), seed), instances)
 
     def query_keys(
         self, keys: Sequence[int], instances: Collection[str] | None = None
@@ -323,6 +364,7 @@ class PrefixIndex:
                 wid = len(self._by_wid)
                 self._by_wid.append(None)
             worker = _Worker(wid, instance, dp_rank)
+            self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
             self._by_wid[wid] = worker
             self._workers[(instance, dp_rank)] = worker
         return worker
@@ -373,16 +415,19 @@ class PrefixIndex:
                 self._orphan(worker, event, result)
                 return
             parent_key, parent_tier = found
-        keys = chain_hashes(local_block_hashes(event.token_ids, self.block_size, seed), parent_key)
+        keys = chain_hashes(local_hashes(event.token_ids, self.block_size, seed), parent_key)
         tier = self._tier(event.medium)
         mapping = worker.maps[tier]
         masks = self._masks[tier]
         dups = worker.dups[tier]
         bit = worker.bit
+        single = worker.single
         lru = self.capacity_blocks is not None
+        added = 0
         pairs = zip(event.block_hashes, keys, strict=True)
         for engine_hash, key in reversed(list(pairs)) if lru else pairs:
-            engine_hash &= _U64
+            if engine_hash < 0:
+                engine_hash &= _U64
             old = mapping.get(engine_hash)
             if old is not None:
                 if old == key:
@@ -391,15 +436,18 @@ class PrefixIndex:
                     continue
                 self._drop(worker, tier, engine_hash, result)  # same id, new content: replace
             mapping[engine_hash] = key
-            self._entries[tier] += 1
-            result.stored += 1
-            mask = masks.pop(key, 0) if lru else masks.get(key, 0)
-            if mask & bit:
+            added += 1
+            holders = masks.pop(key, 0) if lru else masks.get(key, 0)
+            if not holders:
+                masks[key] = single
+            elif _mask(holders) & bit:
                 dups[key] = dups.get(key, 0) + 1
                 if lru:
-                    masks[key] = mask
+                    masks[key] = holders
             else:
-                masks[key] = mask | bit
+                masks[key] = _mask(holders) | bit
+        self._entries[tier] += added
+        result.stored += added
         if lru and parent_tier >= 0:
             parent_masks = self._masks[parent_tier]
             if parent_key in parent_masks:
@@ -438,12 +486,19 @@ class PrefixIndex:
             else:
                 dups[key] = extra - 1
             return
-        masks = self._masks[tier]
-        mask = masks[key] ^ worker.bit
-        if mask:
-            masks[key] = mask
-        else:
-            del masks[key]
+        self._unset(self._masks[tier], key, worker.bit)
+
+    @staticmethod
+    def _unset(masks: dict[int, int], key: int, bit: int) -> None:
+        """Removes one worker from a key's holders, if it is one of them."""
+        holders = masks.get(key, 0)
+        mask = _mask(holders)
+        if mask & bit:
+            mask ^= bit
+            if mask:
+                masks[key] = _holders(mask)
+            else:
+                del masks[key]
 
     def _clear_tier(self, worker: _Worker, tier: int) -> None:
         mapping = worker.maps[tier]
@@ -452,13 +507,7 @@ class PrefixIndex:
         masks = self._masks[tier]
         bit = worker.bit
         for key in mapping.values():
-            mask = masks.get(key, 0)
-            if mask & bit:  # a duplicate key was already cleared
-                mask ^= bit
-                if mask:
-                    masks[key] = mask
-                else:
-                    del masks[key]
+            self._unset(masks, key, bit)  # a duplicate key is already unset: no-op
         self._entries[tier] -= len(mapping)
         worker.maps[tier] = {}
         worker.dups[tier] = {}
@@ -482,8 +531,7 @@ class PrefixIndex:
             while masks and freed < quota:
                 # chunks: a fresh iterator rescans the holes popping left at the front
                 for key in list(islice(masks, 256)):
-                    mask = masks.pop(key)
-                    for wid in _bits(mask):
+                    for wid in _bits(_mask(masks.pop(key))):
                         victims.setdefault(wid, set()).add(key)
                         freed += 1
                     if freed >= quota:
@@ -515,11 +563,9 @@ class PrefixIndex:
     # ------------------------------------------------------------------ query walk
 
     def _instance_mask(self, instances: Collection[str]) -> int:
-        wanted = set(instances)
         mask = 0
-        for (inst, _), worker in self._workers.items():
-            if inst in wanted:
-                mask |= worker.bit
+        for inst in set(instances):
+            mask |= self._inst_masks.get(inst, 0)
         return mask
 
     def _walk(self, keys: Sequence[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
@@ -527,25 +573,26 @@ class PrefixIndex:
         and the depth up to which some worker matched."""
         npu, cpu, disk = self._masks
         first = keys[0]
-        in_npu = npu.get(first, 0) | cpu.get(first, 0) | disk.get(first, 0)
+        in_npu = _mask(npu.get(first, 0)) | _mask(cpu.get(first, 0)) | _mask(disk.get(first, 0))
         if allowed is not None:
             in_npu &= allowed
         in_cpu = in_disk = 0
         records: list[tuple[int, int, int, int]] = []
         position = 0
         for position, key in enumerate(keys):  # position is used after the loop
-            kept = in_npu & npu.get(key, 0)
+            holders = npu.get(key, 0)
+            kept = in_npu & (holders if holders >= 0 else 1 << ~holders)
             left_npu = in_npu ^ kept
             in_npu = kept
             left_cpu = finished = 0
             if left_npu or in_cpu:
                 in_cpu |= left_npu
-                kept = in_cpu & cpu.get(key, 0)
+                kept = in_cpu & _mask(cpu.get(key, 0))
                 left_cpu = in_cpu ^ kept
                 in_cpu = kept
             if left_cpu or in_disk:
                 in_disk |= left_cpu
-                kept = in_disk & disk.get(key, 0)
+                kept = in_disk & _mask(disk.get(key, 0))
                 finished = in_disk ^ kept
                 in_disk = kept
             if left_npu or left_cpu or finished:
@@ -582,7 +629,7 @@ class PrefixIndex:
 
         for position, left_npu, left_cpu, finished in records:
             pure = left_npu & finished  # NPU-only workers: no per-phase bookkeeping
-            if pure:
+            if pure and position:
                 emit(pure, self._hit(position, 0, 0))
             for wid in _bits(left_npu ^ pure):
                 npu_end[wid] = position
@@ -596,17 +643,32 @@ class PrefixIndex:
         key = (npu, cpu, disk)
         hit = self._hits.get(key)
         if hit is None:
+            if len(self._hits) > 65_536:  # a few distinct splits recur; keep the cache bounded
+                self._hits.clear()
             hit = self._hits[key] = TierHit(npu, cpu, disk)
         return hit
 
     # ------------------------------------------------------------------ size
 
     def _estimate_bytes(self) -> int:
-        size = sum(sys.getsizeof(d) for d in self._masks)
-        int_size = 48  # a u64 int is 36 bytes, 48 allocated (16-byte pymalloc alignment)
-        mask_size = (sys.getsizeof(1 << max(len(self._by_wid) - 1, 0)) + 15) // 16 * 16
-        size += sum(len(d) for d in self._masks) * (int_size + mask_size)
+        # tables exactly; then one engine id and one key int per entry (a key int is shared
+        # by the global dict and its first holder); single holders share one small int per
+        # worker, multi-holder bitmasks are sampled
+        size = 0
+        for masks in self._masks:
+            size += sys.getsizeof(masks)
+            sample = [v for v in islice(masks.values(), 2048) if v > 0]
+            if sample:
+                share = len(sample) / min(len(masks), 2048)
+                mean = sum(_allocated(sys.getsizeof(v)) for v in sample) / len(sample)
+                size += int(len(masks) * share * mean)
         for worker in self._workers.values():
-            for mapping in worker.maps:
-                size += sys.getsizeof(mapping) + len(mapping) * 2 * int_size
-        return size
+            size += sum(sys.getsizeof(mapping) for mapping in worker.maps)
+        return size + sum(self._entries) * 2 * _INT_BYTES
+
+
+_INT_BYTES = 48  # a 64-bit int: 36 bytes requested, 48 allocated (pymalloc rounds to 16)
+
+
+def _allocated(size: int) -> int:
+    return (size + 15) // 16 * 16

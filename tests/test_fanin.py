@@ -156,7 +156,7 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
 def check_rank_batch(batch: wire.EventBatch, rank: int, index: int) -> None:
     expected = batch_events(rank, index)
     assert len(batch.events) == len(expected)
-    for got, want in zip(batch.events, expected):
+    for got, want in zip(batch.events, expected, strict=True):
         assert type(got) is type(want)
         assert got.medium in (wire.MEDIUM_GPU, wire.MEDIUM_CPU)  # type: ignore[union-attr]
         assert got.block_hashes == want.block_hashes  # type: ignore[union-attr]
@@ -345,7 +345,9 @@ def test_malformed_channel_frames_are_counted_and_skipped(ctx: Any) -> None:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
         push.connect(channel)
-        untagged = wire.enrich_batch(wire.EventBatch(ts=1.0, events=batch_events(0, 0)), dp_rank=0, block_size=BLOCK_SIZE)
+        untagged = wire.enrich_batch(
+            wire.EventBatch(ts=1.0, events=batch_events(0, 0)), dp_rank=0, block_size=BLOCK_SIZE
+        )
         untagged.dp_rank = None
         good = msgspec.msgpack.encode(untagged)
         push.send_multipart([b"only", b"two"])

@@ -16,6 +16,7 @@ from sglang_kvpub.index import (
     TIER_NPU,
     PrefixIndex,
     TierHit,
+    local_hashes,
     tier_of_medium,
 )
 from sglang_kvpub.wire import (
@@ -84,6 +85,13 @@ def test_tier_of_medium() -> None:
     assert tier_of_medium("DISK") == TIER_DISK
     assert tier_of_medium("EXTERNAL") == TIER_DISK
     assert tier_of_medium("SOMETHING_NEW") == TIER_DISK
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-(1 << 40), 1 << 40) | st.integers(0, 200_000), max_size=40), st.integers(1, 8))
+def test_fast_local_hashes_equal_hashing(toks: list[int], bs: int) -> None:
+    for seed in (1337, lora_seed("x")):
+        assert local_hashes(toks, bs, seed) == local_block_hashes(toks, bs, seed)
 
 
 def test_store_query_and_prefix() -> None:
@@ -301,6 +309,10 @@ def test_instances_filter() -> None:
     assert set(idx.query(toks, instances=["a", "c"])) == {"a", "c"}
     assert idx.query(toks, instances=["zzz"]) == {}
     assert idx.instances() == ["a", "b", "c"]
+    idx.clear_instance("a")
+    store(idx, "d", 1, toks)  # reuses a's worker id
+    assert idx.query(toks, instances=["a"]) == {}
+    assert set(idx.query(toks, instances=["a", "d"])) == {"d"}
 
 
 def test_duplicate_engine_ids_for_one_key() -> None:
@@ -365,6 +377,59 @@ def test_capacity_evicts_leaves_before_their_parents() -> None:
     # the shared prefix is touched by every store: it must survive every eviction
     assert idx.query(shared) == {"a": {0: TierHit(2, 0, 0)}}
     assert idx.stats().evicted > 0
+
+
+def test_many_workers_wide_masks() -> None:
+    """Over 60 workers: holders switch between one worker and wide bitmasks."""
+    idx = PrefixIndex(BS)
+    toks = tokens(3)
+    workers = [(f"i{n}", r) for n in range(5) for r in range(16)]
+    held = {}
+    for n, (inst, rank) in enumerate(workers):
+        held[(inst, rank)] = store(idx, inst, rank, toks[: (1 + n % 3) * BS])
+    result = idx.query(toks)
+    assert sum(len(r) for r in result.values()) == 80
+    assert result["i4"][15] == TierHit(1 + 79 % 3, 0, 0)
+    for inst, rank in workers[:-1]:  # leave one holder: back to the single-holder form
+        idx.apply_event(inst, rank, BlockRemoved(block_hashes=held[(inst, rank)]))
+    assert idx.query(toks) == {"i4": {15: TierHit(2, 0, 0)}}
+    store(idx, "i0", 0, toks)
+    assert idx.query(toks) == {"i0": {0: TierHit(3, 0, 0)}, "i4": {15: TierHit(2, 0, 0)}}
+    idx.clear_instance("i4")
+    assert idx.query(toks) == {"i0": {0: TierHit(3, 0, 0)}}
+
+
+def test_concurrent_writers_and_readers() -> None:
+    import threading
+
+    idx = PrefixIndex(BS)
+    toks = tokens(4)
+    errors: list[BaseException] = []
+
+    def writer(inst: str) -> None:
+        try:
+            for _ in range(200):
+                hashes = store(idx, inst, 0, toks)
+                idx.apply_event(inst, 0, BlockRemoved(block_hashes=hashes[2:]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader() -> None:
+        try:
+            for _ in range(400):
+                for ranks in idx.query(toks).values():
+                    assert ranks[0].npu_blocks in (2, 4)  # a batch is seen whole or not at all
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(f"w{i}",)) for i in range(2)]
+    threads += [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors
+    assert idx.query(toks) == {"w0": {0: TierHit(2, 0, 0)}, "w1": {0: TierHit(2, 0, 0)}}
 
 
 def test_stats_shape() -> None:
@@ -440,6 +505,7 @@ op_strategy = st.tuples(
 @example([("store", 1, 1, 0, 0, 3, 0, 0), ("store", 1, 1, 0, 0, 3, 1, 0), ("clear", 1, 0, 0, 0, 0, 0, 0)], False)
 def test_matches_naive_model(ops: list[tuple[int, ...]], signed: bool) -> None:
     idx = PrefixIndex(BS)
+    capped = PrefixIndex(BS, capacity_blocks=8)  # evicts: never more, and never a false hit
     model = Model()
 
     def eid(key: int, variant: int) -> int:
@@ -462,21 +528,30 @@ def test_matches_naive_model(ops: list[tuple[int, ...]], signed: bool) -> None:
                 medium=medium,
             )
             idx.apply_batch(worker[0], EventBatch(ts=0.0, events=[event], dp_rank=worker[1]))
+            capped.apply_batch(worker[0], EventBatch(ts=0.0, events=[event], dp_rank=worker[1]))
         elif kind == "remove":
             hashes = [eid(keys[i], variant) for i in range(first, last)]
             for h in hashes:
                 model.held[worker][medium].pop(to_u64(h), None)
             idx.apply_event(worker[0], worker[1], BlockRemoved(block_hashes=hashes, medium=medium))
+            capped.apply_event(worker[0], worker[1], BlockRemoved(block_hashes=hashes, medium=medium))
         elif kind == "clear":
             for held in model.held[worker].values():
                 held.clear()
             idx.apply_event(worker[0], worker[1], AllBlocksCleared())
+            capped.apply_event(worker[0], worker[1], AllBlocksCleared())
         else:
             model.held[worker][medium].clear()
             idx.clear_rank(worker[0], worker[1], medium)
+            capped.clear_rank(worker[0], worker[1], medium)
+        assert capped.stats().blocks <= 8
         for keys in PROMPT_KEYS:
             for length in (1, 3, len(keys)):
-                assert idx.query_keys(keys[:length]) == model.query(keys[:length])
+                expected = model.query(keys[:length])
+                assert idx.query_keys(keys[:length]) == expected
+                for inst, ranks in capped.query_keys(keys[:length]).items():
+                    for rank, hit in ranks.items():
+                        assert hit.total_blocks <= expected[inst][rank].total_blocks
     for worker in WORKERS:
         for medium in MEDIA:
             assert idx.resident(worker[0], worker[1], medium) == set(model.held[worker][medium])

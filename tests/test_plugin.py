@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -21,12 +23,12 @@ from typing import Any
 
 import pytest
 import zmq
+from conftest import free_port_block, free_tcp_port
+from plugin_sglang_env import TESTS_DIR, full_loads, sglang_dir
 
 from sglang_kvpub import plugin, sglang_compat, wire
 from sglang_kvpub.config import ConfigError
 from sglang_kvpub.sglang_compat import IncompatibleSGLang, Topology
-from conftest import free_port_block, free_tcp_port
-from plugin_sglang_env import TESTS_DIR, full_loads, sglang_dir
 
 HAVE_SGLANG = sglang_dir() is not None
 needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed")
@@ -177,6 +179,29 @@ def test_server_info_block_describes_the_instance_stream() -> None:
     assert plugin.describe_instance_stream(custom) == custom
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("enabled", "topology", "config"),
+    [
+        ("", Topology(4, True, PAGE), GOOD),  # not enabled
+        ("1", Topology(4, True, PAGE, node_rank=1), GOOD),  # node 0 serves the instance
+        ("1", Topology(4, True, PAGE), '{"publisher": "null"}'),  # nothing to serve
+        ("1", Topology(4, True, PAGE), None),
+    ],
+)
+def test_controller_hook_starts_no_fanin_where_none_belongs(
+    monkeypatch: pytest.MonkeyPatch, enabled: str, topology: Topology, config: str | None
+) -> None:
+    monkeypatch.setenv(plugin.ENABLED_ENV, enabled)
+    monkeypatch.setattr(sglang_compat, "controller_topology", lambda: topology)
+    calls: list[tuple[Any, ...]] = []
+    controller = SimpleNamespace()
+    server_args = SimpleNamespace(kv_events_config=config)
+    plugin._controller_init_hook(lambda self, *a: calls.append(a), controller, server_args, "port_args")
+    assert calls == [(server_args, "port_args")]  # SGLang's __init__ ran with its arguments
+    assert getattr(controller, "kvpub_fanin", None) is None
+
+
 # =========================================================================== integration: loading
 
 
@@ -196,12 +221,19 @@ from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
 load_plugins()  # idempotent
 from sglang.srt.disaggregation.kv_events import EventPublisherFactory
+def outcome(config):
+    try:
+        return type(EventPublisherFactory.create(config, 3)).__name__
+    except Exception as exc:  # SGLang 0.5.23 itself raises for "null" (kwargs to a no-arg class)
+        return type(exc).__name__
 print(json.dumps({
     "plugin_imported": "sglang_kvpub.plugin" in sys.modules,
     "hooks": sorted(HookRegistry._hooks),
     "patched": sorted(HookRegistry._patched),
     "counts": {k: len(v) for k, v in HookRegistry._hooks.items()},
     "factory_wrapped": hasattr(EventPublisherFactory.create, "__wrapped__"),
+    "null_publisher": outcome('{"publisher": "null"}'),
+    "no_config": outcome(None),
 }))
 """
 
@@ -234,16 +266,28 @@ def test_sglang_loader_applies_the_plugin_in_a_fresh_interpreter(allowlist: str,
     else:
         assert set(out["hooks"]) == cli | runtime  # no DP controller loaded here: not hooked
         assert out["factory_wrapped"]
+    # Whatever the state, configs the plugin does not serve get SGLang's own outcome.
+    assert (out["null_publisher"], out["no_config"]) == ("TypeError", "NullEventPublisher")
 
 
 CLI_BODY = """
-import contextlib, io
+import contextlib, io, runpy
 env_loader.full()
+out = {}
+# `python -m sglang.launch_server --help` in this fresh interpreter: its __main__ calls
+# load_plugins() before parsing, so the help lists --plugin.
+sys.argv, help_text = ["sglang.launch_server", "--help"], io.StringIO()
+try:
+    with contextlib.redirect_stdout(help_text):
+        runpy.run_module("sglang.launch_server", run_name="__main__")
+except SystemExit as exc:
+    out["help_exit"] = exc.code
+out["help_has_plugin"] = "--plugin NAME" in help_text.getvalue()
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 from sglang.srt.server_args import prepare_server_args
 load_plugins()
-out = {"patched_at_load": sorted(HookRegistry._patched)}
+out["patched_at_load"] = sorted(HookRegistry._patched)
 
 def parse(config, extra):
     err = io.StringIO()
@@ -272,6 +316,14 @@ args, out["enabled"] = parse(PARAMS["config"], ["--plugin", "sglang_kvpub"])
 out["env"] = os.environ.get("SGLANG_KVPUB_ENABLED")
 out["patched"] = sorted(HookRegistry._patched)
 out["describe"] = describe_kv_events_publisher(args)
+# `sglang serve --model-type llm ... --plugin sglang_kvpub`: SGLang's serve() up to run_server.
+import sglang.launch_server
+from sglang.cli.serve import serve
+served = []
+sglang.launch_server.run_server = served.append
+serve(None, ["--model-type", "llm", "--model-path", "dummy", "--kv-events-config", PARAMS["config"],
+             "--plugin", "sglang_kvpub"])
+out["serve_parsed"] = [type(a).__name__ for a in served]
 print(json.dumps(out))
 """
 
@@ -287,6 +339,8 @@ def test_plugin_flag_through_sglang_real_argument_parsing() -> None:
     params = {"config": config, "local_config": local, "bad_config": bad, "page": PAGE}
     out = run_script(CLI_BODY, params, {}, timeout=190)
 
+    assert out["help_exit"] == 0
+    assert out["help_has_plugin"]
     # Loaded, not enabled: the flag exists, nothing else is hooked, SGLang's own publisher.
     assert set(out["patched_at_load"]) == {sglang_compat.TARGET_ADD_CLI_ARGS, sglang_compat.TARGET_FROM_CLI_ARGS}
     assert out["plain"] == {"ok": True}
@@ -311,6 +365,7 @@ def test_plugin_flag_through_sglang_real_argument_parsing() -> None:
     assert described["publisher"] == "sglang_kvpub"
     assert (described["endpoint_port_base"], described["dp_size"], described["block_size"]) == (5557, 16, PAGE)
     assert described["replay_endpoint_port_base"] == 5600
+    assert out["serve_parsed"] == ["ServerArgs"]
 
 
 # =========================================================================== integration: stream
@@ -355,10 +410,13 @@ print(json.dumps({"type": type(pub).__name__, "block_size": pub.rank.block_size,
 
 
 @pytest.fixture
-def private_runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    # The internal ipc channel lives in <XDG_RUNTIME_DIR>/sglang-kvpub-<uid>/: keep ours apart.
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    return tmp_path
+def private_runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    # The internal ipc channel lives in <XDG_RUNTIME_DIR>/sglang-kvpub-<uid>/: keep ours apart,
+    # under a short path (ipc socket paths are limited to ~107 bytes).
+    path = Path(tempfile.mkdtemp(prefix="kvp"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(path))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import msgspec
 import pytest
@@ -23,22 +23,22 @@ pytestmark = pytest.mark.integration
 # A stand-in with the shape of SGLang 0.5.23's own structs (tagged-map events, array batch).
 class SgBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     block_hashes: list[int]
-    parent_block_hash: Optional[int]
+    parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str] = None
+    lora_id: int | None
+    medium: str | None = None
 
 
 class SgBlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
     block_hashes: list[int]
-    medium: Optional[str] = None
+    medium: str | None = None
 
 
 class SgBatch(msgspec.Struct, array_like=True):
     ts: float
     events: list[Union[SgBlockStored, SgBlockRemoved]]
-    attn_dp_rank: Optional[int] = None
+    attn_dp_rank: int | None = None
 
 
 @pytest.fixture
@@ -69,7 +69,9 @@ def test_enriches_and_sends_rank_frames(pull: tuple[str, zmq.Socket[bytes]]) -> 
             SgBatch(
                 ts=1.0,
                 events=[
-                    SgBlockStored(block_hashes=[-1, 7], parent_block_hash=-2, token_ids=tokens, block_size=128, lora_id=None),
+                    SgBlockStored(
+                        block_hashes=[-1, 7], parent_block_hash=-2, token_ids=tokens, block_size=128, lora_id=None
+                    ),
                     SgBlockRemoved(block_hashes=[-1], medium="CPU_PINNED"),
                 ],
             )

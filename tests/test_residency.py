@@ -135,7 +135,9 @@ def test_cycles_do_not_hang() -> None:
 def test_memory_per_block_128_tokens() -> None:
     res = RankResidency()
     for i in range(1, 2001):
-        res.apply(BlockStored(block_hashes=[i], parent_block_hash=i - 1 or None, token_ids=list(range(128)), block_size=128))
+        res.apply(
+            BlockStored(block_hashes=[i], parent_block_hash=i - 1 or None, token_ids=list(range(128)), block_size=128)
+        )
     blocks = res._media[MEDIUM_GPU]
     measured = sum(sys.getsizeof(v) + sys.getsizeof(k) for k, v in blocks.items()) + sys.getsizeof(blocks)
     per_block = measured / len(blocks)

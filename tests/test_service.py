@@ -68,7 +68,12 @@ class Server:
 
 
 def http(
-    url: str, body: Any = None, *, raw: bytes | None = None, use_msgpack: bool = False, headers: dict[str, str] | None = None
+    url: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    use_msgpack: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
     """One request with Motor's 3 s timeout; returns (status, decoded JSON or text)."""
     data = raw
@@ -186,7 +191,9 @@ def batches_seen(server: Server, stream: str) -> int:
 
 def connect(server: Server, pub: Publisher, rank: int | None = None) -> None:
     """Heartbeats until the subscriber has applied one: from then on nothing is lost."""
-    wait_for(lambda: batches_seen(server, pub.endpoint) > 0, f"subscriber on {pub.endpoint}", lambda: pub.publish([], rank))
+    wait_for(
+        lambda: batches_seen(server, pub.endpoint) > 0, f"subscriber on {pub.endpoint}", lambda: pub.publish([], rank)
+    )
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -330,8 +337,10 @@ def test_compat_mode_subscribes_base_plus_rank(server: Server, zctx: zmq.Context
     tokens = prompt(11, 6)
     pubs[3].store(tokens, rank=None)  # plain SGLang: no dp_rank in the batch, the port says it
     dp0 = wait_for(
-        lambda: client.query(tokens).get("vllm-prefill-2", {}).get("DP", {}).get("0", {}).get("npu_blocks") == 6
-        and client.query(tokens)["vllm-prefill-2"]["DP"]["0"],
+        lambda: (
+            client.query(tokens).get("vllm-prefill-2", {}).get("DP", {}).get("0", {}).get("npu_blocks") == 6
+            and client.query(tokens)["vllm-prefill-2"]["DP"]["0"]
+        ),
         "compat hit",
     )
     assert dp0["engine_dp_rank"] == 3
@@ -411,7 +420,9 @@ def test_report_scenario_cold_load_balance_then_hot_affinity_on_the_right_rank(
     pubs[0].store(tokens, rank=7)  # instance 0 prefilled it on engine rank 7
     wait_for(lambda: client.query(tokens).get("vllm-prefill-0", {}).get("longest_matched") == 20 * BS, "hot")
     rsp = client.query(tokens)
-    assert rsp["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 20 and rsp["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 7
+    assert (
+        rsp["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 20 and rsp["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 7
+    )
     assert rsp["vllm-prefill-1"]["longest_matched"] == 0
 
     status, hot = http(server.url + "/select", {**select, "req_id": "r2"})
@@ -453,7 +464,9 @@ def test_explain_over_http(server: Server, zctx: zmq.Context[Any]) -> None:
     # the router forgot the BOS: every block shifts by one token
     shifted = explain(engine_tokens[1:])
     assert shifted["verdict"] == "miss" and "tokens differ from the engine's" in shifted["summary"]
-    assert shifted["token_check"]["matched_blocks"] == 6 and shifted["instances"][0]["ranks"][0]["first_missed_block"] == 0
+    assert (
+        shifted["token_check"]["matched_blocks"] == 6 and shifted["instances"][0]["ranks"][0]["first_missed_block"] == 0
+    )
     # the router added a second BOS
     assert "tokens differ" in explain([1, *engine_tokens])["summary"]
     partial = explain(engine_tokens[: 3 * BS + 1] + [9] * (3 * BS))

@@ -391,16 +391,24 @@ def test_real_fanin_snapshot_live_rank_restart_and_fanin_restart(ctx: zmq.Contex
 # ---------------------------------------------------------------------------- lifecycle
 
 
-def test_stop_is_prompt_during_a_replay_wait(make_pub: Callable[..., Pub], ctx: zmq.Context[Any]) -> None:
-    pub = make_pub("--compat", replay=free_tcp_endpoint())  # ignores snapshot requests
-    sub = StreamSubscriber(
-        "inst", pub.endpoint, PrefixIndex(BLOCK_SIZE), replay_endpoint=pub.replay, context=ctx,
-        options=StreamOptions(replay_timeout_s=60.0),
-    )  # fmt: skip
-    sub.start()
-    assert not sub.wait_for(lambda h: h.snapshots > 0, 0.2)
-    sub.stop(timeout=5.0)
-    assert not sub.is_alive()
+def test_stop_is_prompt_during_a_replay_wait(ctx: zmq.Context[Any]) -> None:
+    replay = free_tcp_endpoint()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(replay)
+    try:
+        options = StreamOptions(replay_timeout_s=120.0)
+        sub = StreamSubscriber(
+            "inst", free_tcp_endpoint(), PrefixIndex(BLOCK_SIZE), replay_endpoint=replay, context=ctx, options=options
+        )
+        sub.start()
+        assert router.poll(10_000), "no snapshot request arrived"
+        _identity, _start, snapshot = wire.parse_replay_request(router.recv_multipart())
+        assert snapshot  # the request is pending and never answered: the thread waits in the replay
+        sub.stop(timeout=5.0)
+        assert not sub.is_alive()
+    finally:
+        router.close(0)
 
 
 def test_reconnects_after_publisher_restart_on_same_port(

@@ -1,0 +1,266 @@
+"""Run every benchmark of the project and collect its figures for the README.
+
+    python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir bench/results]
+
+Each bench (wire, fanin, residency, index, service, routing) runs as a subprocess of this
+interpreter from the repository root, with a timeout; a bench script that does not exist yet
+is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
+Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
+the stderr tail of a failure) and ``bench/results/latest.md`` (one markdown table per bench
+with every figure, under the command that produced it) - the table the README shows.
+
+``--quick`` scales each bench down with the flags it offers (a flag is passed only if the
+bench's ``--help`` lists it), for a smoke run; the README's figures come from a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TRACES = ROOT.parent / "shared" / "data" / "mooncake"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    name: str
+    script: str  # relative to the repository root
+    args: tuple[str, ...] = ()  # always passed
+    quick: tuple[tuple[str, str | None], ...] = ()  # (flag, value or None for a switch) under --quick
+
+
+BENCHES: tuple[Bench, ...] = (
+    Bench("wire", "bench/wire.py", quick=(("--batches", "200"), ("--seconds", "0.3"))),
+    Bench("fanin", "bench/fanin.py", quick=(("--ranks", "4"), ("--seconds", "1"), ("--producers", "2"))),
+    Bench(
+        "residency",
+        "bench/residency.py",
+        quick=(("--steps", "200"), ("--pages", "100000"), ("--blocks", "100000"), ("--quick", None)),
+    ),
+    Bench("index", "bench/index.py", quick=(("--blocks", "100000"), ("--queries", "200"), ("--no-memory", None))),
+    Bench("service", "bench/service.py", quick=(("--seconds", "1"), ("--rounds", "1"), ("--clients", "16"))),
+    Bench(
+        "routing",
+        "bench/routing.py",
+        args=("--trace", str(TRACES / "conversation_trace.jsonl")),
+        quick=(("--limit", "3000"), ("--no-plot", None)),
+    ),
+    Bench(
+        "routing",
+        "bench/routing.py",
+        args=("--trace", str(TRACES / "synthetic_trace.jsonl")),
+        quick=(("--limit", "3000"), ("--no-plot", None)),
+    ),
+)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _help_text(script: Path) -> str:
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return ""
+    return proc.stdout
+
+
+def command_for(bench: Bench, quick: bool) -> list[str] | None:
+    """The command line, or None when the script or one of its input files is missing."""
+    script = ROOT / bench.script
+    if not script.exists():
+        return None
+    args = list(bench.args)
+    if "--trace" in args and not Path(args[args.index("--trace") + 1]).exists():
+        return None
+    if quick and bench.quick:
+        offered = _help_text(script)
+        for flag, value in bench.quick:
+            if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", offered):
+                args += [flag] if value is None else [flag, value]
+    return [sys.executable, bench.script, *args]
+
+
+def parse_json_lines(text: str) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            records.append(value)
+    return records
+
+
+def run_bench(bench: Bench, quick: bool, timeout_s: float) -> dict[str, Any]:
+    cmd = command_for(bench, quick)
+    result: dict[str, Any] = {"name": bench.name, "script": bench.script}
+    if cmd is None:
+        missing = bench.script if not (ROOT / bench.script).exists() else "its input file"
+        result.update(status="skipped", note=f"{missing} does not exist yet", records=[])
+        return result
+    shown = ["python", *cmd[1:]]
+    result["command"] = " ".join(shlex.quote(_relative(part)) for part in shown)
+    started = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+        status = "ok" if code == 0 else "failed"
+    except subprocess.TimeoutExpired as exc:
+        stdout = _text(exc.stdout)
+        stderr = _text(exc.stderr)
+        code, status = None, "timeout"
+    records = parse_json_lines(stdout)
+    if status == "ok" and not records:
+        status = "failed"
+    result.update(
+        status=status,
+        returncode=code,
+        duration_s=round(time.monotonic() - started, 1),
+        records=records,
+    )
+    if status != "ok":
+        result["stderr_tail"] = stderr.strip()[-3000:]
+    return result
+
+
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        return ""
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _relative(part: str) -> str:
+    """Paths inside the parent of the repository, written relative to the repository root."""
+    path = Path(part)
+    if path.is_absolute():
+        try:
+            return os.path.relpath(path, ROOT)
+        except ValueError:
+            return part
+    return part
+
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        if value != 0 and (abs(value) >= 1e6 or abs(value) < 1e-3):
+            return f"{value:.3g}"
+        return f"{value:,.4g}" if abs(value) >= 1000 else f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    if isinstance(value, (list, dict)):
+        return "`" + json.dumps(value, separators=(",", ":")) + "`"
+    return str(value).replace("|", "\\|")
+
+
+def table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One markdown table: every key of every record (first-seen order) as a column."""
+    columns: list[str] = []
+    for record in records:
+        for key in record:
+            if key not in columns and key != "bench":
+                columns.append(key)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for record in records:
+        lines.append("| " + " | ".join(_cell(record.get(key)) for key in columns) + " |")
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Made by `{report['command']}` on {report['generated']} "
+        f"({report['machine']['cpus']} CPUs, Python {report['machine']['python']}"
+        f"{', quick mode: scaled down' if report['quick'] else ''}).",
+        "Each table holds every figure the bench printed; the command above it reproduces it.",
+        "",
+    ]
+    for bench in report["benches"]:
+        title = bench["name"]
+        if bench.get("command") and "--trace" in bench["command"]:
+            title += " (" + Path(bench["command"].split("--trace", 1)[1].split()[0]).stem + ")"
+        lines.append(f"## {title}")
+        lines.append("")
+        if bench["status"] == "skipped":
+            lines += [f"Skipped: {bench['note']}.", ""]
+            continue
+        lines += [f"`{bench['command']}` ({bench['status']}, {bench['duration_s']} s)", ""]
+        if bench["records"]:
+            lines += table(bench["records"])
+        else:
+            lines.append("No figures: the bench printed no JSON line (see latest.json for its stderr).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="scaled-down settings (smoke run)")
+    parser.add_argument("--only", default="", help="comma-separated bench names (default: all)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per bench (default 900)")
+    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    args = parser.parse_args(argv)
+    wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+    unknown = wanted - {b.name for b in BENCHES}
+    if unknown:
+        parser.error(f"unknown bench(es): {', '.join(sorted(unknown))}")
+    results = []
+    for bench in BENCHES:
+        if wanted and bench.name not in wanted:
+            continue
+        print(f"run_all: {bench.name} ({bench.script}) ...", file=sys.stderr, flush=True)
+        result = run_bench(bench, args.quick, args.timeout)
+        print(
+            f"run_all: {bench.name}: {result['status']}, {len(result['records'])} record(s)"
+            + (f", {result['duration_s']} s" if "duration_s" in result else f" ({result.get('note')})"),
+            file=sys.stderr,
+            flush=True,
+        )
+        results.append(result)
+    own = ["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]
+    report = {
+        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(p) for p in own),
+        "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "benches": results,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (args.out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
+    print(f"run_all: wrote {args.out_dir / 'latest.json'} and {args.out_dir / 'latest.md'}", file=sys.stderr)
+    failed = [r["name"] for r in results if r["status"] in ("failed", "timeout")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""Cache-aware DP dispatch inside one SGLang instance (plugin option ``dp_dispatch: "cache_aware"``).
+
+SGLang's DataParallelController sends a request without an explicit rank round-robin (or
+by load), so a hot prefix lands on the rank that holds it only 1/N of the time.  The
+controller process also runs the fan-in, which sees every rank's KV events: this module
+keeps a :class:`~sglang_kvpub.index.PrefixIndex` of them and sends each request to the
+rank with the lowest Motor-style cost::
+
+    matched_r = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
+    cost_r    = prefill_load_scale * max(0, isl - overlap_credit * matched_r) + load_weight * load_r
+
+with the router's block keys (:mod:`sglang_kvpub.hashing`), so a rank the router thinks
+holds a prefix is the rank this dispatcher picks.  Hot-spot guard: when the chosen rank's
+load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
+hotspot_relative * mean load)``, the least loaded candidate wins instead (reason
+``hotspot``).  A prompt shorter than one block gets no decision (SGLang's own policy).
+
+SGLang edge (lazy imports, only in the controller process): :func:`install_dispatch_hook`
+registers HookRegistry AROUND hooks on the controller's round-robin / total-requests /
+total-tokens methods; they stay inert until :func:`attach_dispatcher` gives the
+controller a dispatcher.  Requests with ``routed_dp_rank`` (which also carries the
+``X-Data-Parallel-Rank`` header and the deprecated ``data_parallel_rank``) go through
+SGLang's ``maybe_external_dp_rank_routing`` first, unchanged.  See docs/dispatch.md.
+
+Never blocks: a decision hashes the prompt (outside any lock) and takes the index lock
+for one walk; the fan-in applies events in chunks of at most ``observe_chunk_blocks``
+blocks, so the lock is never held for a whole large batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import sys
+import threading
+import time
+from array import array
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import xxhash
+
+from sglang_kvpub.hashing import chain_hashes, lora_seed
+from sglang_kvpub.index import PrefixIndex, TierHit
+from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
+
+__all__ = [
+    "REASON_CACHE_HIT",
+    "REASON_NO_HIT",
+    "REASON_HOTSPOT",
+    "REASON_SHORT_PROMPT",
+    "REASON_NO_CANDIDATES",
+    "REASON_NO_TOKENS",
+    "REASON_EXPLICIT",
+    "REASON_ERROR",
+    "REASONS",
+    "DISPATCH_TARGETS",
+    "CONTROLLER_ATTR",
+    "DispatchDecision",
+    "InflightLoad",
+    "CacheAwareDispatcher",
+    "prompt_bytes",
+    "prompt_keys",
+    "install_dispatch_hook",
+    "attach_dispatcher",
+    "feed_from_fanin",
+]
+
+log = logging.getLogger(__name__)
+
+# Decision reasons (metrics keys).  ``rank`` is None for the last five: SGLang's policy runs.
+REASON_CACHE_HIT = "cache_hit"  # lowest cost, some rank holds a prefix
+REASON_NO_HIT = "no_hit"  # no rank holds block 0: lowest cost = least loaded
+REASON_HOTSPOT = "hotspot"  # guard: the cheapest rank was overloaded, least loaded instead
+REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block
+REASON_NO_CANDIDATES = "no_candidates"  # no active rank with a load figure
+REASON_NO_TOKENS = "no_tokens"  # input_embeds / multimodal-only request: nothing to hash
+REASON_EXPLICIT = "explicit"  # routed_dp_rank set: SGLang routed it (counted by the hook)
+REASON_ERROR = "error"  # the dispatcher failed: SGLang's policy ran
+REASONS = (
+    REASON_CACHE_HIT,
+    REASON_NO_HIT,
+    REASON_HOTSPOT,
+    REASON_SHORT_PROMPT,
+    REASON_NO_CANDIDATES,
+    REASON_NO_TOKENS,
+    REASON_EXPLICIT,
+    REASON_ERROR,
+)
+
+_DPC = "sglang.srt.managers.data_parallel_controller.DataParallelController"
+# The load-agnostic and load-aware policies; FOLLOW_BOOTSTRAP_ROOM is left alone (PD pairing).
+DISPATCH_TARGETS = (
+    f"{_DPC}.round_robin_scheduler",
+    f"{_DPC}.total_requests_scheduler",
+    f"{_DPC}.total_tokens_scheduler",
+)
+CONTROLLER_ATTR = "kvpub_dispatcher"
+LOCAL_INSTANCE = "local"
+SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_LITTLE = sys.byteorder == "little"
+_U32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- prompt keys
+
+
+def prompt_bytes(token_ids: Sequence[int], limit: int | None = None) -> bytes:
+    """The first ``limit`` (all by default) token ids as little-endian u32, ids cast ``& 0xFFFFFFFF``
+    like :func:`sglang_kvpub.hashing.local_block_hashes` - fast for SGLang's ``array("q")``.
+
+    For 8-byte arrays the low 4 bytes of each little-endian item ARE ``id & 0xFFFFFFFF``, so
+    four strided byte copies replace a Python loop over every token.
+    """
+    if limit is not None and limit < len(token_ids):
+        token_ids = token_ids[:limit]
+    if isinstance(token_ids, array) and _LITTLE:
+        size = token_ids.itemsize
+        if size == 4:
+            return token_ids.tobytes()  # 'i' and 'I' share their bytes for every id
+        if size == 8:
+            raw = token_ids.tobytes()
+            out = bytearray(len(token_ids) * 4)
+            for byte in range(4):
+                out[byte::4] = raw[byte::8]
+            return bytes(out)
+    try:
+        packed = array("I", token_ids)
+    except (OverflowError, TypeError):
+        packed = array("I", [int(t) & _U32 for t in token_ids])
+    if not _LITTLE:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def prompt_keys(
+    token_ids: Sequence[int], block_size: int, lora_name: str | None = None, max_blocks: int | None = None
+) -> list[int]:
+    """``hashing.sequence_keys`` (chained keys of full blocks), optionally only the first
+    ``max_blocks``; same values, less work on SGLang's arrays."""
+    blocks = len(token_ids) // block_size
+    if max_blocks is not None:
+        blocks = min(blocks, max_blocks)
+    if blocks <= 0:
+        return []
+    seed = lora_seed(lora_name)
+    raw = prompt_bytes(token_ids, blocks * block_size)
+    step = block_size * 4
+    return chain_hashes([_xxh3(raw[i : i + step], seed) for i in range(0, blocks * step, step)], seed)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class DispatchDecision:
+    """One dispatch: ``rank`` None means "SGLang's own policy"; ``matched_tokens`` and the
+    tier blocks are the chosen rank's hit; ``cost``/``load`` its figures (None if unranked)."""
+
+    rank: int | None
+    reason: str
+    isl: int
+    matched_tokens: int = 0
+    npu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    load: float | None = None
+    cost: float | None = None
+
+    def log_line(self) -> str:
+        """Motor's ``scheduled`` line shape, for the controller log at debug level."""
+        if self.rank is None:
+            return f"dp_dispatch policy=default matched=None reason={self.reason} isl={self.isl}"
+        return (
+            f"dp_dispatch policy=cache_aware dp_rank={self.rank} reason={self.reason} isl={self.isl} "
+            f"matched={self.matched_tokens} hbm={self.npu_blocks} cpu={self.cpu_blocks} disk={self.disk_blocks} "
+            f"load={self.load:g} score={self.cost:g}"
+        )
+
+
+class InflightLoad:
+    """Fallback load per rank when SGLang's load snapshots are missing or stale: the
+    prefill tokens this controller dispatched, decaying with ``half_life_s`` (the
+    controller never sees completions, so "in flight" is estimated, not counted)."""
+
+    def __init__(self, dp_size: int, half_life_s: float = 2.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self._rate = math.log(2.0) / half_life_s
+        self._values = [0.0] * dp_size
+        self._stamp = time.monotonic()
+
+    def _decay(self, now: float) -> None:
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            factor = math.exp(-self._rate * elapsed)
+            self._values = [v * factor for v in self._values]
+            self._stamp = now
+
+    def add(self, rank: int, tokens: float, now: float | None = None) -> None:
+        self._decay(time.monotonic() if now is None else now)
+        if 0 <= rank < len(self._values):
+            self._values[rank] += tokens
+
+    def values(self, now: float | None = None) -> list[float]:
+        self._decay(time.monotonic() if now is None else now)
+        return list(self._values)
+
+
+class CacheAwareDispatcher:
+    """Picks a DP rank per request from the ranks' cached prefixes and loads (module docstring).
+
+    ``observe`` is called from the fan-in thread, ``choose`` from the controller loop; both
+    are thread safe.  ``index`` may be shared (then ``instance`` names this engine in it).
+    """
+
+    def __init__(
+        self,
+        dp_size: int,
+        block_size: int,
+        *,
+        load_weight: float = 1.0,
+        prefill_load_scale: float = 1.0,
+        overlap_credit: float = 1.0,
+        hotspot_spread: float | None = 16384.0,
+        hotspot_relative: float | None = 1.0,
+        w_npu: float = 1.0,
+        w_cpu: float = 1.0,
+        w_disk: float = 0.0,
+        index: PrefixIndex | None = None,
+        instance: str = LOCAL_INSTANCE,
+        capacity_blocks: int | None = 2_000_000,
+        observe_chunk_blocks: int = 64,
+    ) -> None:
+        if dp_size <= 0:
+            raise ValueError(f"dp_size must be positive, got {dp_size}")
+        if index is not None and index.block_size != block_size:
+            raise ValueError(f"index block_size {index.block_size} != dispatcher block_size {block_size}")
+        self.dp_size = dp_size
+        self.block_size = block_size
+        self.load_weight = load_weight
+        self.prefill_load_scale = prefill_load_scale
+        self.overlap_credit = overlap_credit
+        self.hotspot_spread = hotspot_spread
+        self.hotspot_relative = hotspot_relative
+        self.weights = (w_npu, w_cpu, w_disk)
+        self.index = index if index is not None else PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+        self.instance = instance
+        self.observe_chunk_blocks = max(1, observe_chunk_blocks)
+        self.inflight = InflightLoad(dp_size)
+        self._all_ranks = tuple(range(dp_size))
+        self._instances = (instance,)
+        self._rotation = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._matched_tokens = 0
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ events
+
+    def observe(self, batch: EventBatch, dp_rank: int | None = None) -> None:
+        """One rank batch (``dp_rank``, else ``batch.dp_rank``, else 0) into the index, in
+        chunks of at most ``observe_chunk_blocks`` blocks so ``choose`` never waits long."""
+        rank = dp_rank if dp_rank is not None else (batch.dp_rank if batch.dp_rank is not None else 0)
+        chunk: list[Event] = []
+        blocks = 0
+        for event in batch.events:
+            for piece in self._pieces(event):
+                chunk.append(piece)
+                blocks += 1 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+                if blocks >= self.observe_chunk_blocks:
+                    self.index.apply_batch(self.instance, EventBatch(batch.ts, chunk, rank), rank)
+                    chunk, blocks = [], 0
+        if chunk:
+            self.index.apply_batch(self.instance, EventBatch(batch.ts, chunk, rank), rank)
+
+    def _pieces(self, event: Event) -> Iterable[Event]:
+        """A merged store longer than a chunk, split into parent-linked stores."""
+        size = self.observe_chunk_blocks
+        if type(event) is not BlockStored or len(event.block_hashes) <= size:
+            return (event,)
+        pieces: list[Event] = []
+        hashes = event.block_hashes
+        tokens_per_block = event.block_size or self.block_size
+        for start in range(0, len(hashes), size):
+            end = min(start + size, len(hashes))
+            parent = event.parent_block_hash if start == 0 else hashes[start - 1]
+            pieces.append(
+                msgspec.structs.replace(
+                    event,
+                    block_hashes=hashes[start:end],
+                    parent_block_hash=parent,
+                    token_ids=event.token_ids[start * tokens_per_block : end * tokens_per_block],
+                )
+            )
+        return pieces
+
+    def rank_restarted(self, dp_rank: int) -> None:
+        """The rank's cache is gone (new rank epoch): forget what it held."""
+        self.index.clear_rank(self.instance, dp_rank)
+
+    # ------------------------------------------------------------------ decisions
+
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[float],
+        *,
+        candidates: Sequence[int] | None = None,
+        lora_name: str | None = None,
+    ) -> DispatchDecision:
+        """The rank for a prompt given per-rank ``loads`` (indexed by rank; any unit, the
+        same as the prefill cost's - SGLang's token counts by default).  ``candidates``:
+        the ranks allowed (default all with a load figure).  Counted per reason."""
+        decision = self._decide(token_ids, loads, candidates, lora_name)
+        self.count(decision.reason, decision.matched_tokens)
+        return decision
+
+    def count(self, reason: str, matched_tokens: int = 0) -> None:
+        with self._stats_lock:
+            self._counts[reason] += 1
+            self._matched_tokens += matched_tokens
+
+    def _decide(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[float],
+        candidates: Sequence[int] | None,
+        lora_name: str | None,
+    ) -> DispatchDecision:
+        isl = len(token_ids)
+        block_size = self.block_size
+        if isl < block_size:
+            return DispatchDecision(None, REASON_SHORT_PROMPT, isl)
+        ranks = [r for r in (self._all_ranks if candidates is None else candidates) if 0 <= r < len(loads)]
+        if not ranks:
+            return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
+        hits = self._hits(token_ids, lora_name)
+        # Rotate the scan start so equal costs spread over ranks instead of piling on the first.
+        self._rotation = start = (self._rotation + 1) % len(ranks)
+        order = ranks[start:] + ranks[:start]
+        scale, weight, credit = self.prefill_load_scale, self.load_weight, self.overlap_credit
+        best = order[0]
+        best_cost = math.inf
+        best_matched = 0
+        for rank in order:
+            hit = hits.get(rank)
+            matched = 0 if hit is None else self._matched(hit, isl)
+            cost = scale * max(0.0, isl - credit * matched) + weight * loads[rank]
+            if cost < best_cost:
+                best, best_cost, best_matched = rank, cost, matched
+        reason = REASON_CACHE_HIT if best_matched > 0 else REASON_NO_HIT
+        spill = self._hotspot(order, loads, best)
+        hit = hits.get(best if spill is None else spill)
+        if spill is not None:
+            best, reason = spill, REASON_HOTSPOT
+            best_matched = 0 if hit is None else self._matched(hit, isl)
+            best_cost = scale * max(0.0, isl - credit * best_matched) + weight * loads[best]
+        return DispatchDecision(
+            best,
+            reason,
+            isl,
+            best_matched,
+            hit.npu_blocks if hit else 0,
+            hit.cpu_blocks if hit else 0,
+            hit.disk_blocks if hit else 0,
+            float(loads[best]),
+            float(best_cost),
+        )
+
+    def _matched(self, hit: TierHit, isl: int) -> int:
+        w_npu, w_cpu, w_disk = self.weights
+        weighted = hit.npu_blocks * w_npu + hit.cpu_blocks * w_cpu + hit.disk_blocks * w_disk
+        return min(round(weighted * self.block_size), isl)
+
+    def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, TierHit]:
+        # Early out for cold prompts (the common case for unique traffic): block 0 first.
+        block_size = self.block_size
+        seed = lora_seed(lora_name)
+        first = _xxh3(prompt_bytes(token_ids, block_size), seed)
+        keys = chain_hashes([first], seed)
+        if not self.index.query_keys(keys, self._instances):
+            return {}
+        blocks = len(token_ids) // block_size
+        if blocks > 1:
+            raw = prompt_bytes(token_ids, blocks * block_size)
+            step = block_size * 4
+            keys += chain_hashes([_xxh3(raw[i : i + step], seed) for i in range(step, blocks * step, step)], keys[0])
+        return self.index.query_keys(keys, self._instances).get(self.instance, {})
+
+    def _hotspot(self, order: Sequence[int], loads: Sequence[float], best: int) -> int | None:
+        """The least loaded candidate when ``best`` is a hot spot, else None."""
+        if self.hotspot_spread is None and self.hotspot_relative is None:
+            return None
+        least = min(order, key=loads.__getitem__)  # first in rotated order among equals
+        spread = loads[best] - loads[least]
+        if spread <= 0:
+            return None
+        limit = 0.0
+        if self.hotspot_spread is not None:
+            limit = self.hotspot_spread
+        if self.hotspot_relative is not None:
+            mean = sum(loads[r] for r in order) / len(order)
+            limit = max(limit, self.hotspot_relative * mean)
+        return least if spread > limit else None
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions per reason (every reason present), matched tokens, index size."""
+        with self._stats_lock:
+            decisions = {reason: self._counts.get(reason, 0) for reason in REASONS}
+            matched = self._matched_tokens
+        index = self.index.stats()
+        return {
+            "decisions": decisions,
+            "decisions_total": sum(decisions.values()),
+            "matched_tokens_total": matched,
+            "index_blocks": index.blocks,
+            "index_orphans": index.orphans,
+            "index_ignored_block_size": index.ignored_block_size,
+        }
+
+
+# --------------------------------------------------------------------------- fan-in feed
+
+
+def feed_from_fanin(fanin: Any, dispatcher: CacheAwareDispatcher) -> str:
+    """Feeds every rank batch the fan-in ingests to ``dispatcher``; returns how.
+
+    ``"observer"`` when the FanIn offers ``add_observer(fn(dp_rank, batch))``; otherwise
+    ``"ingest_wrapper"``: the instance's ``ingest`` is wrapped (the fan-in thread calls it
+    for every channel batch), payloads are decoded once more, and a new ``rank_epoch``
+    clears the rank.  Failures are counted and logged, never raised into the fan-in.
+    """
+    add_observer = getattr(fanin, "add_observer", None)
+    if callable(add_observer):
+        add_observer(lambda dp_rank, batch: dispatcher.observe(batch, dp_rank))
+        return "observer"
+    original = fanin.ingest
+    trusted = msgspec.msgpack.Decoder(EventBatch)
+    decoder = BatchDecoder()
+    epochs: dict[int, int] = {}
+    failures = [0]
+
+    def ingest(dp_rank: int, rank_epoch: int, rank_seq: int, batch_or_payload: EventBatch | bytes) -> None:
+        original(dp_rank, rank_epoch, rank_seq, batch_or_payload)
+        try:
+            if epochs.setdefault(dp_rank, rank_epoch) != rank_epoch:
+                epochs[dp_rank] = rank_epoch
+                dispatcher.rank_restarted(dp_rank)
+            if isinstance(batch_or_payload, EventBatch):
+                batch = batch_or_payload
+            elif not batch_or_payload:
+                return  # rank heartbeat
+            else:
+                try:
+                    batch = trusted.decode(batch_or_payload)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    batch = decoder.decode(batch_or_payload)
+            dispatcher.observe(batch, dp_rank)
+        except (WireError, ValueError, TypeError) as exc:
+            failures[0] += 1
+            if failures[0] <= 10 or failures[0] % 1000 == 0:
+                log.warning("kvpub dispatch: rank %d batch not indexed (%s; occurrence %d)", dp_rank, exc, failures[0])
+
+    fanin.ingest = ingest
+    return "ingest_wrapper"
+
+
+# --------------------------------------------------------------------------- SGLang edge
+
+_installed = False
+_install_lock = threading.Lock()
+_error_logs = [0]
+
+
+def install_dispatch_hook(registry: Any = None, hook_type: Any = None, *, apply: bool = False) -> list[str]:
+    """Registers the AROUND hooks on the controller's dispatch methods (idempotent).
+
+    Call it in the DataParallelController process from the plugin's ``register()`` (it runs
+    inside ``load_plugins()``, which applies hooks before the controller is built - the
+    controller binds ``self.dispatching`` from a lookup table in ``__init__``).  ``apply``:
+    also run ``HookRegistry.apply_hooks()`` (when called after ``load_plugins``).  The
+    hooks do nothing until :func:`attach_dispatcher` gives the controller a dispatcher.
+    """
+    global _installed
+    if registry is None or hook_type is None:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        registry, hook_type = HookRegistry, HookType
+    with _install_lock:
+        if not _installed:
+            for target in DISPATCH_TARGETS:
+                registry.register(target, _dispatch_hook, hook_type.AROUND)
+            _installed = True
+    if apply:
+        registry.apply_hooks()
+    return list(DISPATCH_TARGETS)
+
+
+def attach_dispatcher(controller: Any, *, block_size: int, fanin: Any = None, **options: Any) -> CacheAwareDispatcher:
+    """Gives a constructed controller its dispatcher (``options``: CacheAwareDispatcher's
+    keywords) and, with ``fanin``, feeds it every rank batch.  Call after
+    ``DataParallelController.__init__`` returned, before its event loop."""
+    dp_size = max(len(getattr(controller, "workers", ()) or ()), 1)
+    dispatcher = CacheAwareDispatcher(dp_size, block_size, **options)
+    if fanin is not None:
+        how = feed_from_fanin(fanin, dispatcher)
+    else:
+        how = "none (no fan-in in this controller: no cache hits, load only)"
+    setattr(controller, CONTROLLER_ATTR, dispatcher)
+    log.info("sglang_kvpub: cache-aware DP dispatch over %d ranks, block_size %d, feed %s", dp_size, block_size, how)
+    return dispatcher
+
+
+def _dispatch_hook(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of the controller's policy methods: explicit rank first, then ours."""
+    dispatcher: CacheAwareDispatcher | None = getattr(self, CONTROLLER_ATTR, None)
+    if dispatcher is None:
+        return original(self, req, *args, **kwargs)
+    if self.maybe_external_dp_rank_routing(req):  # SGLang's order: an explicit rank wins
+        dispatcher.count(REASON_EXPLICIT)
+        return None
+    if getattr(req, "data_parallel_rank", None) is not None:  # pre-migration alias (older structs)
+        dispatcher.count(REASON_EXPLICIT)
+        return original(self, req, *args, **kwargs)
+    rank = _choose_rank(self, dispatcher, req)
+    if rank is None:
+        return original(self, req, *args, **kwargs)
+    _sock_send(self)(self.workers[rank], req)
+    return None
+
+
+def _sock_send(controller: Any) -> Callable[[Any, Any], None]:
+    # The controller module's own binding (patched copies included), looked up per call.
+    send: Callable[[Any, Any], None] = sys.modules[type(controller).__module__].sock_send
+    return send
+
+
+def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) -> int | None:
+    token_ids = getattr(req, "input_ids", None)
+    if token_ids is None:
+        dispatcher.count(REASON_NO_TOKENS)
+        return None
+    try:
+        loads, budget = _controller_loads(controller, dispatcher)
+        candidates = [
+            r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None
+        ]
+        decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
+    except Exception as exc:  # never let the dispatcher break SGLang's dispatch
+        dispatcher.count(REASON_ERROR)
+        _error_logs[0] += 1
+        if _error_logs[0] <= 10 or _error_logs[0] % 1000 == 0:
+            log.warning("kvpub dispatch failed, SGLang's policy used (%r; occurrence %d)", exc, _error_logs[0])
+        return None
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s rid=%s", decision.log_line(), getattr(req, "rid", None))
+    rank = decision.rank
+    if rank is not None:
+        committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched
+        dispatcher.inflight.add(rank, committed)
+        if budget is not None and rank < len(budget.total_tokens):
+            budget.total_requests[rank] += 1  # SGLang's own speculative +1 (DPBudget.dispatch)
+            budget.total_tokens[rank] += committed
+    return rank
+
+
+def _controller_loads(controller: Any, dispatcher: CacheAwareDispatcher) -> tuple[list[float], Any]:
+    """SGLang's token loads (``DPBudget.total_tokens``: KV tokens in use plus queued tokens,
+    from the ranks' load snapshots, plus speculative commits) when its snapshots are fresh;
+    else the dispatcher's decaying in-flight estimate.  Returns (loads, budget or None)."""
+    budget = getattr(controller, "dp_budget", None)
+    if budget is None:
+        return dispatcher.inflight.values(), None
+    if not getattr(controller, "refresh_load_budget_on_dispatch", False):
+        # Round robin: SGLang does not read loads itself; its reader is throttled (20 ms) and
+        # reads shared memory (or drains a non-blocking PULL), so it cannot stall the loop.
+        controller.refresh_load_budget()
+    newest = max(budget.last_timestamp, default=0.0)
+    if newest > 0.0 and time.time() - newest < SNAPSHOT_STALE_S:
+        return budget.total_tokens, budget
+    return dispatcher.inflight.values(), None

@@ -1,0 +1,459 @@
+"""Release hooks: ``BlockRemoved`` for every page that leaves HBM (or host memory), exactly once.
+
+SGLang 0.5.23 records most releases itself (docs/hbm-release.md lists every path), but
+some free a tree node's Full KV without an event - e.g. SWA/Mamba-triggered cascades
+that take the Full layer with them, or paths added by later versions.  These hooks,
+installed through SGLang's ``HookRegistry`` (no SGLang edit), close the gap generically:
+
+- *Announced state* per recorder (``KVCacheEventRecorder``): the block hashes announced
+  per medium, absorbed lazily from the recorder's own queue (nothing runs per page on
+  the hot path).  ``take()`` absorbs before SGLang drains the queue.
+- *Touch* hooks on the low-level node-free helpers note which nodes were touched.
+- *Settle* after the outermost tree operation returns (and before ``take``): for each
+  touched node that no longer holds its Full KV on a medium, the hashes still announced
+  there are removed with one ``BlockRemoved`` enqueued into SGLang's own queue, so it is
+  published in order with SGLang's events.
+- *Dedupe*: if SGLang later records a removal the plugin already emitted, those hashes
+  are stripped from SGLang's event while it is still queued: never twice.
+
+Nothing here imports SGLang at module level; event classes come from the recorder's
+module when first needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
+
+__all__ = [
+    "RECORDER_CLASS",
+    "LEGACY_TREE_CLASS",
+    "UNIFIED_CORE_CLASS",
+    "Tracker",
+    "install_release_hooks",
+    "hook_targets",
+    "tracker_of",
+    "tree_of",
+    "node_resident",
+    "node_attached",
+    "node_block_hashes",
+    "settle",
+]
+
+log = logging.getLogger(__name__)
+
+RECORDER_CLASS = "sglang.srt.mem_cache.events.KVCacheEventRecorder"
+LEGACY_TREE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
+UNIFIED_CORE_CLASS = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
+
+# Low-level helpers that free (part of) a node: the node is their first argument.
+_TOUCH = {
+    LEGACY_TREE_CLASS: ("_delete_leaf",),
+    UNIFIED_CORE_CLASS: ("_cascade_evict", "_evict_component_and_detach_lru", "_remove_leaf_from_parent"),
+}
+# Public tree operations that may reach them: settle when the outermost one returns.
+_OUTER = {
+    LEGACY_TREE_CLASS: ("evict",),
+    UNIFIED_CORE_CLASS: (
+        "evict_device_next_node",
+        "finish_mamba_state_eviction",
+        "finish_swa_state_eviction",
+        "evict_device_leaf",
+        "demote",
+        "drop_subtree_no_host",
+        "drive_host_eviction",
+        "evict_excess_path_states",
+        "dec_lock_ref",
+        "dec_window_lock_only",
+        "dec_swa_lock_only",
+    ),
+}
+_RESET = {LEGACY_TREE_CLASS: ("reset",), UNIFIED_CORE_CLASS: ("reset",)}
+
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
+
+
+def medium_of(value: Any) -> str:
+    """SGLang's ``StorageMedium`` enum or a plain string -> the wire string."""
+    if value is None:
+        return MEDIUM_GPU
+    return str(getattr(value, "value", value))
+
+
+class Tracker:
+    """Per-recorder announced state, touched nodes and correction counters."""
+
+    __slots__ = (
+        "announced",
+        "plugin_removed",
+        "queue_ref",
+        "pos_event",
+        "pos_hash",
+        "pending",
+        "depth",
+        "tree",
+        "corrections",
+        "dirty",
+        "lock",
+    )
+
+    def __init__(self) -> None:
+        self.announced: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+        # Hashes the plugin removed that SGLang may still remove itself (dedupe).
+        self.plugin_removed: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+        self.queue_ref: list[Any] | None = None
+        self.pos_event = 0
+        self.pos_hash = 0
+        self.pending: list[Any] = []
+        self.depth = 0
+        self.tree: Any = None
+        # cause -> blocks: release_gpu/release_cpu (hooks), deduped, unknown_removal,
+        # reconcile_* (reconcile.py).
+        self.corrections: collections.Counter[str] = collections.Counter()
+        # Hashes changed by events while a reconciliation walk runs (None: no walk).
+        self.dirty: set[int] | None = None
+        self.lock = threading.RLock()
+
+    def announced_count(self, medium: str = MEDIUM_GPU) -> int:
+        return len(self.announced.get(medium, ()))
+
+    # ------------------------------------------------------------------ absorb
+
+    def absorb(self, queue: list[Any]) -> None:
+        """Apply the not-yet-seen part of the recorder's queue (coalescing-aware)."""
+        if queue is not self.queue_ref:
+            self.queue_ref = queue
+            self.pos_event = 0
+            self.pos_hash = 0
+        index = self.pos_event
+        while index < len(queue):
+            event = queue[index]
+            start = self.pos_hash if index == self.pos_event else 0
+            if self._absorb_event(event, start):
+                del queue[index]  # fully deduplicated removal
+                self.pos_hash = 0
+                self.pos_event = index
+                continue
+            index += 1
+        if queue:
+            self.pos_event = len(queue) - 1
+            self.pos_hash = len(getattr(queue[-1], "block_hashes", ()))
+        else:
+            self.pos_event = 0
+            self.pos_hash = 0
+
+    def _absorb_event(self, event: Any, start: int) -> bool:
+        """Apply one event from hash ``start``; True when it is now empty and must go."""
+        kind = type(event).__name__
+        if kind == "AllBlocksCleared":
+            for media in (self.announced, self.plugin_removed):
+                for blocks in media.values():
+                    blocks.clear()
+            return False
+        hashes = getattr(event, "block_hashes", None)
+        if hashes is None or start >= len(hashes):
+            return False
+        medium = medium_of(getattr(event, "medium", None))
+        fresh = hashes[start:] if start else hashes
+        if self.dirty is not None:
+            self.dirty.update(fresh)
+        announced = self.announced.setdefault(medium, set())
+        removed = self.plugin_removed.setdefault(medium, set())
+        if kind == "BlockStored":
+            announced.update(fresh)
+            if removed:
+                removed.difference_update(fresh)
+            return False
+        if kind != "BlockRemoved":
+            return False
+        if removed and not removed.isdisjoint(fresh):
+            duplicate = removed.intersection(fresh)
+            removed.difference_update(duplicate)
+            self.corrections["deduped"] += len(duplicate)
+            hashes[start:] = [h for h in fresh if h not in duplicate]
+            fresh = hashes[start:]
+            if not hashes:
+                return True
+        for block_hash in fresh:
+            if block_hash in announced:
+                announced.discard(block_hash)
+            else:
+                self.corrections["unknown_removal"] += 1
+        return False
+
+    def skip_to_end(self, queue: list[Any]) -> None:
+        """Mark everything queued as absorbed (after the plugin enqueued its own event)."""
+        self.queue_ref = queue
+        self.pos_event = max(0, len(queue) - 1)
+        self.pos_hash = len(getattr(queue[-1], "block_hashes", ())) if queue else 0
+
+
+def tracker_of(recorder: Any) -> Tracker:
+    tracker = recorder.__dict__.get("_kvpub_tracker")
+    if tracker is None:
+        tracker = Tracker()
+        recorder.__dict__["_kvpub_tracker"] = tracker
+    return tracker
+
+
+def tree_of(obj: Any) -> Any:
+    """The object holding ``root_node`` and ``kv_events`` (UnifiedRadixCache -> its core)."""
+    core = getattr(obj, "tree_core", None)
+    return core if core is not None else obj
+
+
+# --------------------------------------------------------------------------- node facts
+
+
+def node_resident(node: Any) -> tuple[bool, bool]:
+    """(Full KV on device, Full KV on host and acknowledged) for a legacy or unified node."""
+    data = getattr(node, "component_data", None)
+    if data is None:
+        return node.value is not None, False
+    full = data[0]  # ComponentType.FULL == 0
+    host = full.host_value is not None and getattr(node, "write_through_pending_id", None) is None
+    return full.value is not None, host
+
+
+def node_attached(tree: Any, node: Any) -> bool:
+    """Whether ``node`` is still reachable from ``tree.root_node``."""
+    root = tree.root_node
+    page = tree.page_size
+    while node is not root:
+        parent = node.parent
+        if parent is None or node.key is None or len(node.key) == 0:
+            return False
+        try:
+            if parent.children.get(node.key.child_key(page)) is not node:
+                return False
+        except (IndexError, ValueError):
+            return False
+        node = parent
+    return True
+
+
+def node_block_hashes(recorder: Any, node: Any) -> list[int]:
+    """The event hashes of ``node``'s pages, computed by SGLang's own recorder code."""
+    saved = recorder._queue
+    recorder._queue = []
+    try:
+        recorder.record_remove(node)
+        scratch = recorder._queue
+    finally:
+        recorder._queue = saved
+    return [h for event in scratch for h in event.block_hashes]
+
+
+def _event_classes(recorder: Any) -> Any:
+    return sys.modules[type(recorder).__module__]
+
+
+def emit_removed(recorder: Any, tracker: Tracker, hashes: list[int], medium: str, cause: str) -> None:
+    """Enqueue one plugin ``BlockRemoved`` into SGLang's queue (announced state updated)."""
+    if not hashes:
+        return
+    module = _event_classes(recorder)
+    tracker.absorb(recorder._queue)
+    event = module.BlockRemoved(block_hashes=list(hashes), medium=_sglang_medium(module, medium))
+    KVCacheEventRecorderEnqueue(recorder, event)
+    tracker.skip_to_end(recorder._queue)
+    tracker.announced.setdefault(medium, set()).difference_update(hashes)
+    tracker.plugin_removed.setdefault(medium, set()).update(hashes)
+    if tracker.dirty is not None:
+        tracker.dirty.update(hashes)
+    tracker.corrections[cause] += len(hashes)
+
+
+def emit_stored(recorder: Any, tracker: Tracker, events: list[Any], cause: str) -> None:
+    """Enqueue plugin ``BlockStored`` events (already in SGLang's struct type)."""
+    if not events:
+        return
+    tracker.absorb(recorder._queue)
+    for event in events:
+        KVCacheEventRecorderEnqueue(recorder, event)
+        medium = medium_of(event.medium)
+        tracker.announced.setdefault(medium, set()).update(event.block_hashes)
+        tracker.plugin_removed.setdefault(medium, set()).difference_update(event.block_hashes)
+        tracker.corrections[cause] += len(event.block_hashes)
+    tracker.skip_to_end(recorder._queue)
+
+
+def _sglang_medium(module: Any, medium: str) -> Any:
+    enum = getattr(module, "StorageMedium", None)
+    if enum is None:
+        return medium
+    try:
+        return enum(medium)
+    except ValueError:
+        return medium
+
+
+def KVCacheEventRecorderEnqueue(recorder: Any, event: Any) -> None:  # noqa: N802 - names the SGLang call
+    recorder.enqueue(event)
+
+
+# --------------------------------------------------------------------------- settle
+
+
+def settle(tree: Any) -> int:
+    """Emit removals for touched nodes no longer resident; returns blocks removed."""
+    recorder = tree.kv_events
+    if not recorder.enabled:
+        return 0
+    tracker = tracker_of(recorder)
+    if not tracker.pending:
+        return 0
+    with tracker.lock:
+        pending, tracker.pending = tracker.pending, []
+        tracker.absorb(recorder._queue)
+        removed = 0
+        seen: set[int] = set()
+        for node in pending:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            removed += _settle_node(tree, recorder, tracker, node)
+        return removed
+
+
+def _settle_node(tree: Any, recorder: Any, tracker: Tracker, node: Any) -> int:
+    if node is tree.root_node or node.key is None or len(node.key) == 0:
+        return 0
+    device, host = node_resident(node) if node_attached(tree, node) else (False, False)
+    hashes: list[int] | None = None
+    removed = 0
+    for medium, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)):
+        announced = tracker.announced.get(medium)
+        if resident or not announced:
+            continue
+        if hashes is None:
+            hashes = node_block_hashes(recorder, node)
+        stale = [h for h in hashes if h in announced]
+        if stale:
+            emit_removed(recorder, tracker, stale, medium, "release_gpu" if medium == MEDIUM_GPU else "release_cpu")
+            removed += len(stale)
+    return removed
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+    result = original(self, node, *args, **kwargs)
+    recorder = getattr(self, "kv_events", None)
+    if recorder is not None and recorder.enabled:
+        tracker = tracker_of(recorder)
+        tracker.tree = self
+        tracker.pending.append(node)
+        if tracker.depth == 0:
+            settle(self)
+    return result
+
+
+def _outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    recorder = getattr(self, "kv_events", None)
+    if recorder is None or not recorder.enabled:
+        return original(self, *args, **kwargs)
+    tracker = tracker_of(recorder)
+    tracker.depth += 1
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        tracker.depth -= 1
+        if tracker.depth == 0 and tracker.pending:
+            tracker.tree = self
+            settle(self)
+
+
+def _reset_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    recorder = getattr(self, "kv_events", None)
+    if recorder is not None:
+        tracker_of(recorder).pending.clear()  # old nodes: the reset's clear covers them
+    return original(self, *args, **kwargs)
+
+
+def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs: Any) -> Any:
+    if recorder.enabled:
+        tracker = tracker_of(recorder)
+        with tracker.lock:
+            if tracker.pending and tracker.tree is not None and tracker.depth == 0:
+                settle(tracker.tree)
+            tracker.absorb(recorder._queue)
+    return original(recorder, *args, **kwargs)
+
+
+def hook_targets() -> list[tuple[str, Callable[..., Any]]]:
+    """Every (dotted target, AROUND hook) the release hooks install."""
+    targets: list[tuple[str, Callable[..., Any]]] = [(f"{RECORDER_CLASS}.take", _take_hook)]
+    for table, hook in ((_TOUCH, _touch_hook), (_OUTER, _outer_hook), (_RESET, _reset_hook)):
+        for cls, methods in table.items():
+            targets.extend((f"{cls}.{method}", hook) for method in methods)
+    return targets
+
+
+_installed: set[str] = set()
+_install_lock = threading.Lock()
+
+
+def install_release_hooks(registry: Any | None = None, *, classes: Iterable[str] | None = None) -> list[str]:
+    """Install the release hooks; returns the targets newly hooked.
+
+    ``registry``: SGLang's ``HookRegistry`` (its hooks are applied by ``load_plugins``
+    or the caller's ``apply_hooks()``).  ``None``: wrap the methods directly now (tests,
+    SGLang without a plugin system).  Targets whose class or method does not exist in
+    this SGLang are skipped.  Idempotent per process.
+    """
+    wanted = set(classes) if classes is not None else None
+    done: list[str] = []
+    with _install_lock:
+        for target, hook in hook_targets():
+            owner, method = target.rsplit(".", 1)
+            if wanted is not None and owner not in wanted and owner != RECORDER_CLASS:
+                continue
+            if target in _installed or not _exists(owner, method):
+                continue
+            if registry is None:
+                _wrap_now(owner, method, hook)
+            else:
+                registry.register(target, hook, _around(registry))
+            _installed.add(target)
+            done.append(target)
+    return done
+
+
+def _around(registry: Any) -> Any:
+    module = sys.modules[type(registry).__module__ if not isinstance(registry, type) else registry.__module__]
+    return module.HookType.AROUND
+
+
+def _resolve(owner: str) -> Any | None:
+    import pkgutil
+
+    try:
+        return pkgutil.resolve_name(owner)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _exists(owner: str, method: str) -> bool:
+    cls = _resolve(owner)
+    return cls is not None and callable(getattr(cls, method, None))
+
+
+def _wrap_now(owner: str, method: str, hook: Callable[..., Any]) -> None:
+    cls = _resolve(owner)
+    original = getattr(cls, method)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return hook(original, *args, **kwargs)
+
+    wrapper.__name__ = method
+    wrapper.__qualname__ = f"{getattr(cls, '__qualname__', owner)}.{method}"
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    setattr(cls, method, wrapper)

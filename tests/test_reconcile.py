@@ -1,0 +1,99 @@
+"""Drift check and bounded-slice reconciliation on SGLang 0.5.23's real tree caches (CPU)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("sglang")
+
+import rh_trees as rt  # noqa: E402
+
+from sglang_kvpub.reconcile import Reconciler, device_pages, drift  # noqa: E402
+from sglang_kvpub.release_hooks import tree_of  # noqa: E402
+from sglang_kvpub.wire import MEDIUM_GPU  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+NS: Any = None
+
+
+def ns() -> Any:
+    global NS
+    if NS is None:
+        NS = rt.setup()
+    return NS
+
+
+class TickClock:
+    """Advances 1 ms per reading: a slice may read it only a bounded number of times."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        self.now += 0.001
+        return self.now
+
+
+def _filled(make: Any, prompts: int = 40) -> Any:
+    tree = make(ns(), 4)
+    for i in range(prompts):
+        rt.insert(ns(), tree, [i % 5] * 8 + [i * 100 + j for j in range(12)])
+    return tree
+
+
+@pytest.mark.parametrize("make", [rt.unified_tree, rt.legacy_tree])
+def test_no_drift_no_walk(make: Any) -> None:
+    tree = _filled(make)
+    tree.take_events()
+    assert drift(tree) == 0
+    rec = Reconciler(tree)
+    assert rec.step() is False and not rec.walking
+
+
+@pytest.mark.parametrize("make", [rt.unified_tree, rt.legacy_tree])
+def test_lost_store_is_republished_in_slices(make: Any) -> None:
+    tree = _filled(make)
+    sub = rt.Subscriber()
+    events = tree.take_events()
+    lost = events[-1]  # a store the subscriber never got and the tracker forgets
+    for event in events[:-1]:
+        sub.state.apply(rt.to_wire(event))
+    rt.tracker(tree).announced[MEDIUM_GPU].difference_update(lost.block_hashes)
+    assert drift(tree) == -len(lost.block_hashes)
+
+    clock = TickClock()
+    rec = Reconciler(tree, budget_s=0.001, clock=clock)
+    slices = 0
+    while not rec.step() and slices < 1000:
+        slices += 1
+    assert slices > 1  # the walk was split into slices
+    sub.drain(tree)
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU]
+    assert rt.tracker(tree).corrections["reconcile_missing_gpu"] == len(lost.block_hashes)
+    assert drift(tree) == 0 and len(sub.media()[MEDIUM_GPU]) == device_pages(tree)
+
+
+def test_changes_during_walk_are_left_to_events() -> None:
+    tree = _filled(rt.unified_tree)
+    sub = rt.Subscriber()
+    sub.drain(tree)
+    rt.tracker(tree).announced[MEDIUM_GPU].add(12345)  # a phantom block: stale
+    rec = Reconciler(tree, clock=TickClock())
+    rec.step()
+    assert rec.walking
+    rt.insert(ns(), tree, [9] * 8 + list(range(500, 520)))  # mid-walk insert (announced by SGLang)
+    tree.evict(ns().base.EvictParams(num_tokens=16))  # mid-walk eviction (announced by SGLang)
+    while rec.walking:
+        rec.step()
+    sub.drain(tree)
+    assert 12345 not in rt.tracker(tree).announced[MEDIUM_GPU]
+    assert rt.tracker(tree).corrections["reconcile_stale_gpu"] == 1
+    assert rt.tracker(tree).corrections["reconcile_missing_gpu"] == 0
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU]
+    assert tree_of(tree).kv_events._queue == []
