@@ -19,6 +19,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
+import zmq
+
 from motor_adapter.scoring import Candidate, Decision, KvAffinityConfig, TierCounts, select
 
 if TYPE_CHECKING:

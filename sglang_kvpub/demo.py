@@ -106,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
 class Prompts:
     """Deterministic prompts: text through the DeepSeek tokenizer when it loads, else synthetic ids."""
 
-    _WORDS = (
+    _WORDS = tuple(
         "cache prefix rank router instance page block token prefill decode stream event replay snapshot "
         "scheduler memory latency throughput request batch model layer attention expert shard node "
-        "the a of to and in with for on every each one many first last next long short hot cold"
-    ).split()
+        "the a of to and in with for on every each one many first last next long short hot cold".split(" ")
+    )
 
     def __init__(self, mode: str) -> None:
         self._encode: Callable[[str], list[int]] | None = None
@@ -170,7 +170,7 @@ class HttpAdapter:
     """``motor-kv-adapter serve`` in a subprocess, spoken to over HTTP as Motor's client does."""
 
     def __init__(self) -> None:
-        self._log = tempfile.TemporaryFile(mode="w+", prefix="kvpub-demo-adapter-")
+        self._log = tempfile.TemporaryFile(mode="w+", prefix="kvpub-demo-adapter-")  # noqa: SIM115 (closed in close)
         for _ in range(3):  # the free port may be taken between our probe and the server's bind
             self.port = _free_port()
             self.url = f"http://127.0.0.1:{self.port}"
@@ -188,10 +188,9 @@ class HttpAdapter:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(self.url + "/health", timeout=1.0) as response:
-                    if response.status == 200:
-                        return True
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=1.0) as response:
+                if response.status == 200:
+                    return True
             time.sleep(0.05)  # polling a starting process: there is no event to wait on
         return False
 
@@ -260,7 +259,8 @@ class InProcessAdapter:
         return self._state.register(parse_registration(body))
 
     def workers(self) -> dict[str, Any]:
-        return json.loads(json.dumps(self._state.workers(), default=str))  # type: ignore[no-any-return]
+        workers: dict[str, Any] = json.loads(json.dumps(self._state.workers(), default=str))
+        return workers
 
     def query(self, body: dict[str, Any]) -> dict[str, Any]:
         return self._state.query(body["model"], body["tenant_id"], body["block_size"], body["token_ids"])
@@ -283,9 +283,9 @@ def _make_adapter(mode: str) -> Adapter:
     if mode in ("auto", "http"):
         try:
             import aiohttp  # noqa: F401  (the service's HTTP stack: the `motor` extra)
-        except ImportError:
+        except ImportError as exc:
             if mode == "http":
-                raise DemoError("--adapter http needs the motor extra (aiohttp): pip install 'sglang-kvpub[motor]'")
+                raise DemoError("--adapter http needs the motor extra (aiohttp): pip install 'sglang-kvpub[motor]'") from exc
         else:
             return HttpAdapter()
     try:
@@ -319,6 +319,11 @@ class Request:
     @property
     def policy(self) -> str:
         return str(self.decision["policy"])
+
+    @property
+    def matched(self) -> int | None:
+        value = self.decision.get("matched")
+        return int(value) if value is not None else None
 
     def as_dict(self) -> dict[str, Any]:
         d = self.decision

@@ -72,7 +72,7 @@ def test_prefill_emits_one_merged_store_then_hits() -> None:
     again = rank.prefill(prompt)
     assert again.cached_tokens == 8 and again.batch is None and len(published) == 1
 
-    longer = rank.prefill(prompt[:8] + [5, 5, 5, 5])
+    longer = rank.prefill([*prompt[:8], 5, 5, 5, 5])
     assert longer.cached_tokens == 8
     (ext,) = published[-1].events
     assert isinstance(ext, BlockStored)
@@ -179,7 +179,7 @@ def test_demo_second_identical_request_hits_the_rank_holding_the_prefix(adapter:
     spread = [r for r in summary["requests"] if r["phase"] == "spread"]
     repeats = [r for r in summary["requests"] if r["phase"] == "spread-repeat"]
     assert spread and all(r["policy"] == "load_balance" for r in spread)
-    for first, again in zip(spread, repeats):
+    for first, again in zip(spread, repeats, strict=True):
         assert again["policy"] == "kv_cache_affinity"
         assert (again["instance"], again["dp_rank"]) == (first["instance"], first["engine_dp_rank"])
         assert again["cached_tokens"] == again["matched"] > 0
