@@ -57,6 +57,9 @@ PLUGIN_KEYS = (
     "rank_queue_size",
     "full_policy",
     "dp_dispatch",
+    "curve_secret_key_file",
+    "curve_public_key_file",
+    "curve_authorized_keys",
 )
 
 
@@ -88,6 +91,10 @@ class PluginConfig:
     rank_queue_size: int = 10_000
     full_policy: FullPolicy = "drop_oldest"
     dp_dispatch: DispatchName = "default"
+    # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
+    curve_secret_key_file: Union[str, None] = None
+    curve_public_key_file: Union[str, None] = None
+    curve_authorized_keys: Union[str, None] = None  # directory of client *.key files; None: any client
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -153,7 +160,7 @@ def _bad(key: str, value: Any, fix: str) -> ConfigError:
 def _from_env(key: str, raw: str) -> Any:
     """Env values are strings; convert by the key's type, keeping the raw text for errors."""
     text = raw.strip()
-    if key == "internal_channel":
+    if key in ("internal_channel", "curve_secret_key_file", "curve_public_key_file", "curve_authorized_keys"):
         return text or None
     if key == "heartbeat_s":
         try:
@@ -219,6 +226,11 @@ def _internal_channel(key: str, value: Any) -> None:
         raise _bad(key, value, "ranks connect to it: give the fan-in host's address, e.g. 'tcp://10.0.0.1:5600'")
 
 
+def _optional_path(key: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise _bad(key, value, "use a file or directory path, or null")
+
+
 _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "endpoint": _endpoint(False),
     "replay_endpoint": _endpoint(True),
@@ -236,6 +248,9 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "rank_queue_size": _positive_int(1),
     "full_policy": _choice(get_args(FullPolicy)),
     "dp_dispatch": _choice(get_args(DispatchName)),
+    "curve_secret_key_file": _optional_path,
+    "curve_public_key_file": _optional_path,
+    "curve_authorized_keys": _optional_path,
 }
 
 

@@ -40,6 +40,7 @@ import zmq
 
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.simulator import Dispatch, SimulatedInstance
+from sglang_kvpub.wire import seq_counter
 
 __all__ = ["add_parser", "run", "DemoError"]
 
@@ -103,14 +104,17 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- prompts
 
 
+_WORDS_TEXT = (
+    "cache prefix rank router instance page block token prefill decode stream event replay snapshot "
+    "scheduler memory latency throughput request batch model layer attention expert shard node "
+    "the a of to and in with for on every each one many first last next long short hot cold"
+)
+
+
 class Prompts:
     """Deterministic prompts: text through the DeepSeek tokenizer when it loads, else synthetic ids."""
 
-    _WORDS = tuple(
-        "cache prefix rank router instance page block token prefill decode stream event replay snapshot "
-        "scheduler memory latency throughput request batch model layer attention expert shard node "
-        "the a of to and in with for on every each one many first last next long short hot cold".split(" ")
-    )
+    _WORDS = tuple(_WORDS_TEXT.split())
 
     def __init__(self, mode: str) -> None:
         self._encode: Callable[[str], list[int]] | None = None
@@ -285,7 +289,8 @@ def _make_adapter(mode: str) -> Adapter:
             import aiohttp  # noqa: F401  (the service's HTTP stack: the `motor` extra)
         except ImportError as exc:
             if mode == "http":
-                raise DemoError("--adapter http needs the motor extra (aiohttp): pip install 'sglang-kvpub[motor]'") from exc
+                hint = "pip install 'sglang-kvpub[motor]'"
+                raise DemoError(f"--adapter http needs the motor extra (aiohttp): {hint}") from exc
         else:
             return HttpAdapter()
     try:
@@ -480,6 +485,16 @@ class Demo:
         for k, tokens in enumerate(others):
             self._request(adapter, f"h{k}", "spread-repeat", tokens)
             self.clock += 0.25
+        self._finish_all()
+
+        self.say()
+        self.say(f"[4] POST /flush_cache on {cold.instance} (AllBlocksCleared from every rank), then the first prompt")
+        self.instances[cold.instance].flush_cache()
+        after = self._request(adapter, "r3", "after-flush", prompt, show_query=True)
+        if ok and after.matched:
+            ok, reason = False, f"after flush_cache the adapter still claimed matched={after.matched} (stale index)"
+        elif ok:
+            self.say("    => OK: nothing stale - the flushed prefix is no longer scored anywhere")
         return ok, reason
 
     def _check_hot(self, cold: Request, hot: Request) -> tuple[bool, str]:
@@ -586,7 +601,8 @@ class Demo:
         for request in self.requests:
             by_phase.setdefault(request.phase, []).append(request)
         self.say(
-            f"  {'phase':<14} {'requests':>8} {'load_balance':>12} {'affinity':>8} {'right rank':>10} {'reused tokens':>14}"
+            f"  {'phase':<14} {'requests':>8} {'load_balance':>12} {'affinity':>8} {'right rank':>10} "
+            f"{'reused tokens':>14}"
         )
         for phase, reqs in by_phase.items():
             affinity = [r for r in reqs if r.policy == "kv_cache_affinity"]
@@ -643,10 +659,12 @@ class Demo:
                 "adapter_events": sub.get("events"),
                 "adapter_decode_errors": sub.get("decode_errors"),
             }
+            last = sub.get("last_seq")
             self.say(
-                f"  stream {instance_id}: seq {stats['seq']} (epoch {stats['epoch']}, {stats['batches']} batches, "
-                f"{stats['heartbeats']} heartbeats); adapter applied up to seq {sub.get('last_seq')}, "
-                f"events {sub.get('events')}, gaps {sub.get('gaps')}, decode errors {sub.get('decode_errors')}"
+                f"  stream {instance_id}: epoch {stats['epoch']}, seq n={seq_counter(stats['seq'])} "
+                f"({stats['batches']} batches, {stats['heartbeats']} heartbeats); adapter applied up to "
+                f"n={seq_counter(last) if last is not None else None}, events {sub.get('events')}, "
+                f"gaps {sub.get('gaps')}, decode errors {sub.get('decode_errors')}"
             )
         stale = [r for r in ranks_out if r["resident_pages"] != r["stream_resident_pages"]]
         if stale:

@@ -30,6 +30,7 @@ blocks, so the lock is never held for a whole large batch.
 from __future__ import annotations
 
 import collections
+import importlib
 import logging
 import math
 import sys
@@ -110,12 +111,25 @@ _U32 = 0xFFFFFFFF
 # --------------------------------------------------------------------------- prompt keys
 
 
+_NUMPY: list[Any] = []
+
+
+def _numpy() -> Any:
+    """numpy when importable (always, inside SGLang), else None; imported once, lazily."""
+    if not _NUMPY:
+        try:
+            _NUMPY.append(importlib.import_module("numpy"))
+        except ImportError:
+            _NUMPY.append(None)
+    return _NUMPY[0]
+
+
 def prompt_bytes(token_ids: Sequence[int], limit: int | None = None) -> bytes:
     """The first ``limit`` (all by default) token ids as little-endian u32, ids cast ``& 0xFFFFFFFF``
     like :func:`sglang_kvpub.hashing.local_block_hashes` - fast for SGLang's ``array("q")``.
 
-    For 8-byte arrays the low 4 bytes of each little-endian item ARE ``id & 0xFFFFFFFF``, so
-    four strided byte copies replace a Python loop over every token.
+    For 8-byte arrays the low 4 bytes of each little-endian item ARE ``id & 0xFFFFFFFF``:
+    numpy (or strided byte copies without it) takes them without a Python loop per token.
     """
     if limit is not None and limit < len(token_ids):
         token_ids = token_ids[:limit]
@@ -124,6 +138,9 @@ def prompt_bytes(token_ids: Sequence[int], limit: int | None = None) -> bytes:
         if size == 4:
             return token_ids.tobytes()  # 'i' and 'I' share their bytes for every id
         if size == 8:
+            numpy = _numpy()
+            if numpy is not None:  # ~10x faster than the strided copies below
+                return bytes(numpy.frombuffer(token_ids, dtype="<u4")[::2].tobytes())
             raw = token_ids.tobytes()
             out = bytearray(len(token_ids) * 4)
             for byte in range(4):
@@ -254,7 +271,8 @@ class CacheAwareDispatcher:
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
         self._all_ranks = tuple(range(dp_size))
-        self._instances = (instance,)
+        # An index of our own holds only this instance: skip the per-query instance mask.
+        self._instances: tuple[str, ...] | None = (instance,) if index is not None else None
         self._rotation = 0
         self._counts: collections.Counter[str] = collections.Counter()
         self._matched_tokens = 0

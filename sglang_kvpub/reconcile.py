@@ -28,7 +28,7 @@ from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 __all__ = ["device_pages", "drift", "Reconciler", "IDLE_TARGET", "install_reconcile_hook", "reconcile_on_idle"]
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-_CHECK_EVERY = 8  # nodes between clock reads
+_CHECK_EVERY = 1  # nodes between clock reads (a node is at most a few hundred pages)
 
 
 def device_pages(tree: Any) -> int:
@@ -60,6 +60,12 @@ class Reconciler:
         self._stack: list[Any] | None = None
         self._visited: set[int] = set()
         self._truth: dict[str, dict[int, Any]] = {}
+        # Stale phase: announced hashes checked so far (iterated in slices).
+        self._stale: dict[str, list[int]] = {}
+        self._missing: dict[str, dict[int, Any]] = {}
+        self._checked: set[int] = set()
+        self._media_left: list[str] = []
+        self._iter: Any = None
         self.walks = 0
         self.slices = 0
         self.max_slice_s = 0.0
@@ -110,7 +116,43 @@ class Reconciler:
             count += 1
             if count % _CHECK_EVERY == 0 and self.clock() - start >= self.budget_s:
                 return False
+        if not self._scan_stale(start):
+            return False
         self._finish()
+        return True
+
+    def _scan_stale(self, start: float) -> bool:
+        """Announced-but-not-resident hashes, in slices; True when every medium is done.
+
+        Iterates the live announced set; if events changed it between slices the
+        iteration restarts, skipping what was already checked (rare: only idle slices run).
+        """
+        if not self._media_left and self._iter is None and not self._stale:
+            self._media_left = list(self._truth)
+        tracker = self.tracker
+        tracker.absorb(self.tree.kv_events._queue)
+        while self._media_left:
+            medium = self._media_left[0]
+            announced = tracker.announced.get(medium, set())
+            truth = self._truth[medium]
+            stale = self._stale.setdefault(medium, [])
+            if self._iter is None:
+                self._iter = iter(announced)
+            count = 0
+            try:
+                for block_hash in self._iter:
+                    if block_hash not in truth and block_hash not in self._checked:
+                        stale.append(block_hash)
+                    self._checked.add(block_hash)
+                    count += 1
+                    if count % 256 == 0 and self.clock() - start >= self.budget_s:
+                        return False
+            except RuntimeError:  # announced changed since the last slice
+                self._iter = None
+                continue
+            self._iter = None
+            self._checked = set()
+            self._media_left.pop(0)
         return True
 
     def _visit(self, node: Any, stack: list[Any]) -> None:
@@ -136,25 +178,32 @@ class Reconciler:
         for medium, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)):
             if resident:
                 truth = self._truth[medium]
+                announced = self.tracker.announced.get(medium, ())
+                missing = self._missing.setdefault(medium, {})
                 for block_hash in hashes:
                     truth[block_hash] = node
+                    if block_hash not in announced:
+                        missing[block_hash] = node
 
     def _finish(self) -> None:
         tracker = self.tracker
         recorder = self.tree.kv_events
         tracker.absorb(recorder._queue)
         dirty = tracker.dirty or set()
-        for medium, truth in self._truth.items():
+        for medium in self._truth:
             announced = tracker.announced.get(medium, set())
-            stale = [h for h in announced if h not in truth and h not in dirty]
+            stale = [h for h in self._stale.get(medium, ()) if h in announced and h not in dirty]
             suffix = "gpu" if medium == MEDIUM_GPU else "cpu"
             emit_removed(recorder, tracker, stale, medium, f"reconcile_stale_{suffix}")
-            missing = {h: n for h, n in truth.items() if h not in announced and h not in dirty}
+            candidates = self._missing.get(medium, {})
+            missing = {h: n for h, n in candidates.items() if h not in announced and h not in dirty}
             emit_stored(recorder, tracker, _stores_for(recorder, missing, medium), f"reconcile_missing_{suffix}")
         tracker.dirty = None
         self._stack = None
         self._visited = set()
         self._truth = {}
+        self._stale = {}
+        self._missing = {}
         self.walks += 1
 
 

@@ -105,7 +105,8 @@ class SimulatedRank:
         self.prompt_tokens = 0
         self.batches = 0
         self.stored_pages = 0
-        self.evicted_pages = 0
+        self.evicted_pages = 0  # LRU evictions (BlockRemoved)
+        self.cleared_pages = 0  # dropped by flush (AllBlocksCleared)
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """The prefix of ``token_ids`` this rank holds (tokens), without touching LRU order."""
@@ -142,7 +143,7 @@ class SimulatedRank:
 
     def flush(self) -> EventBatch:
         """``flush_cache``: everything leaves HBM; one ``AllBlocksCleared`` (as SGLang's reset)."""
-        self.evicted_pages += len(self.cache.clear())
+        self.cleared_pages += len(self.cache.clear())
         batch = self._emit([AllBlocksCleared()])
         assert batch is not None
         return batch
@@ -237,6 +238,11 @@ class SimulatedInstance:
             if sent >= 0 and ranks.get(publisher.dp_rank, {}).get("last_rank_seq", -1) < sent:
                 return False
         return True
+
+    def flush_cache(self) -> None:
+        """SGLang's ``/flush_cache``: every rank drops its tree and emits ``AllBlocksCleared``."""
+        for rank in self.ranks:
+            rank.flush()
 
     def stream_seq(self) -> int:
         """The newest seq on the instance stream."""

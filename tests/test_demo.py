@@ -92,8 +92,10 @@ def test_eviction_and_flush_events_rebuild_the_cache_exactly() -> None:
     removed = [e for b in published for e in b.events if isinstance(e, BlockRemoved)]
     assert removed and all(e.medium == "GPU" for e in removed)
     assert rank.evicted_pages == sum(len(e.block_hashes) for e in removed)
+    resident = rank.resident_pages()
     cleared = rank.flush()
     assert isinstance(cleared.events[0], AllBlocksCleared) and rank.resident_pages() == 0
+    assert rank.cleared_pages == resident
 
 
 # --------------------------------------------------------------------------- acceptance check (unit)
