@@ -105,8 +105,13 @@ class KvAffinity:
         index: PrefixIndex | None = None,
         subscriber_factory: SubscriberFactory | None = None,
         context: Any = None,
+        curve_server_keys: Mapping[str, str] | None = None,
+        curve_client_secret_key_file: str | None = None,
     ) -> None:
+        """``curve_server_keys``: stream URL -> the fan-in's CURVE public key (docs/security.md)."""
         self.cfg = cfg
+        self._curve_keys = dict(curve_server_keys or {})
+        self._curve_client_file = curve_client_secret_key_file
         self.index = index if index is not None else _default_index(cfg.block_size, capacity_blocks)
         self._factory = subscriber_factory
         self._context = context if context is not None else zmq.Context.instance()
@@ -165,6 +170,7 @@ class KvAffinity:
         started: list[_Subscriber] = []
         try:
             for live_ep, replay_ep, rank in plans:
+                extra = self._curve_options(spec.endpoint)
                 sub = factory(
                     instance_id,
                     live_ep,
@@ -173,6 +179,7 @@ class KvAffinity:
                     topic=spec.topic,
                     dp_rank_override=rank,
                     context=self._context,
+                    **extra,
                 )
                 sub.start()
                 started.append(sub)
@@ -180,6 +187,16 @@ class KvAffinity:
             _stop_all(started)
             raise
         return tuple(started)
+
+    def _curve_options(self, endpoint: str) -> dict[str, Any]:
+        """``options=`` with the CURVE keys when this stream has a server key, else nothing."""
+        key = self._curve_keys.get(endpoint)
+        if key is None:
+            return {}
+        from motor_adapter.stream import StreamOptions
+
+        options = StreamOptions(curve_server_key=key, curve_client_secret_key_file=self._curve_client_file)
+        return {"options": options}
 
     def remove_instance(self, instance_id: str) -> bool:
         """Stops the instance's subscribers, then forgets its blocks; False if it was unknown."""

@@ -51,6 +51,7 @@ from motor_adapter.scoring import (
     select,
 )
 from sglang_kvpub.hashing import chain_hashes
+from sglang_kvpub.security import RateLimiter
 
 __all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
 
@@ -112,6 +113,11 @@ class ServiceConfig:
     tokenizer_path: Union[str, None] = None  # for every model without its own entry
     tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
     trust_remote_code: bool = False
+    # Security (docs/security.md): per-client-IP token bucket (None: off) and CURVE for streams.
+    rate_limit_rps: Union[float, None] = None
+    rate_limit_burst: int = 200
+    curve_server_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # stream URL -> key
+    curve_client_secret_key_file: Union[str, None] = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -191,7 +197,14 @@ class AdapterState:
 
     def __init__(self, config: ServiceConfig, affinity_factory: AffinityFactory | None = None) -> None:
         self.config = config
-        self._factory: AffinityFactory = affinity_factory or (lambda cfg, cap: KvAffinity(cfg, cap))
+        self._factory: AffinityFactory = affinity_factory or (
+            lambda cfg, cap: KvAffinity(
+                cfg,
+                cap,
+                curve_server_keys=config.curve_server_keys,
+                curve_client_secret_key_file=config.curve_client_secret_key_file,
+            )
+        )
         self._lock = threading.RLock()  # registrations may change while queries read them
         self._registrations: dict[tuple[str, str, str, int], Registration] = {}
         self._indexes: dict[tuple[str, str, int], _Index] = {}
@@ -596,7 +609,7 @@ class _Handlers:
         except msgspec.ValidationError as exc:  # well-formed, wrong shape: name the field
             reason = "bad_field" if "at `$." in str(exc) else "bad_body"
             raise RequestError(400, reason, str(exc)) from exc
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: nested too deep for Any fields
             kind = "msgpack" if is_msgpack else "JSON"
             raise RequestError(400, f"invalid_{kind.lower()}", f"the body is not valid {kind}: {exc}") from exc
 
@@ -729,6 +742,24 @@ def _candidates(value: Any) -> list[Candidate]:
     return out
 
 
+_UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
+
+
+def _rate_limit(config: ServiceConfig) -> Any:
+    """Refuses a client IP over its token bucket with 429 (counted by ``errors``); off when no rate."""
+    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
+
+    @web.middleware
+    async def limit(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
+        path_limited = limiter is not None and request.path not in _UNLIMITED_PATHS
+        if path_limited and not limiter.allow(request.remote or "-", time.monotonic()):  # type: ignore[union-attr]
+            raise RequestError(429, "rate_limited", f"over {config.rate_limit_rps:g} requests/s per client")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return limit
+
+
 def build_app(state: AdapterState) -> web.Application:
     handlers = _Handlers(state)
     metric = state.metrics
@@ -749,7 +780,9 @@ def build_app(state: AdapterState) -> web.Application:
         return response
 
     # aiohttp enforces the limit too (chunked bodies); ours gives the JSON message.
-    app = web.Application(middlewares=[errors], client_max_size=state.config.max_body_bytes + 1)
+    app = web.Application(
+        middlewares=[errors, _rate_limit(state.config)], client_max_size=state.config.max_body_bytes + 1
+    )
     app.router.add_post("/register", handlers.register)
     app.router.add_post("/unregister", handlers.unregister)
     app.router.add_post("/query", handlers.query)

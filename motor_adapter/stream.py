@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import zmq
 
 from sglang_kvpub import wire
+from sglang_kvpub.security import CurveClientKeys, apply_client, client_keys
 
 if TYPE_CHECKING:
     from sglang_kvpub.index import PrefixIndex
@@ -116,6 +117,10 @@ class StreamOptions:
     backoff_max_s: float = 30.0
     poll_s: float = 0.05  # bounds how long stop() waits
     rcvhwm: int = 100_000
+    # CURVE (docs/security.md): the fan-in's public key (Z85 text or a .key file) turns it on;
+    # the client's own pair comes from this NAME.key_secret file, else an ephemeral one.
+    curve_server_key: Union[str, None] = None
+    curve_client_secret_key_file: Union[str, None] = None
 
 
 @dataclasses.dataclass
@@ -170,6 +175,9 @@ class StreamSubscriber:
         self._ctx: zmq.Context[Any] = context or zmq.Context()
         self._limits = decode_limits or wire.DecodeLimits()
         self._decoder = wire.BatchDecoder(self._limits)
+        self._curve: CurveClientKeys | None = None
+        if self.options.curve_server_key:
+            self._curve = client_keys(self.options.curve_server_key, self.options.curve_client_secret_key_file)
         expect = self.options.expect_heartbeats
         self._expect_heartbeats = (dp_rank_override is None) if expect is None else expect
         self._rlog = _RateLimitedLog()
@@ -301,6 +309,7 @@ class StreamSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, int(self.options.backoff_min_s * 1000))
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.options.backoff_max_s * 1000))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        apply_client(sub, self._curve)
         sub.connect(self.endpoint)
         self._sub = sub
         self._poller.register(sub, zmq.POLLIN)
@@ -585,6 +594,7 @@ class StreamSubscriber:
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        apply_client(dealer, self._curve)
         replies: list[_Item] = []
         try:
             dealer.connect(self.replay_endpoint)

@@ -53,7 +53,9 @@ def channel_frames(dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes)
 def parse_channel_frames(frames: list[Any]) -> ChannelFrame:
     if len(frames) != 3:
         raise WireError("bad channel frame count", str(len(frames)))
-    magic, header, payload = (bytes(f) for f in frames)
+    magic, header, payload = frames
+    if type(magic) is not bytes or type(header) is not bytes or type(payload) is not bytes:  # zmq.Frame etc.
+        magic, header, payload = (bytes(f) for f in frames)
     if magic != MAGIC:
         raise WireError("bad channel magic", repr(magic[:16]))
     if len(header) != _HEADER.size:

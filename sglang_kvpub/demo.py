@@ -32,14 +32,14 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import IO, Any, Protocol
 
 import msgspec
 import zmq
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import Dispatch, SimulatedInstance
+from sglang_kvpub.simulator import BUILTIN_EVENTS, Dispatch, EventTypes, SimulatedInstance, sglang_event_types
 from sglang_kvpub.wire import seq_counter
 
 __all__ = ["add_parser", "run", "DemoError"]
@@ -76,6 +76,13 @@ def add_parser(subparsers: Any) -> None:
         choices=("auto", "http", "inprocess"),
         default="auto",
         help="http: motor-kv-adapter serve subprocess; inprocess: its state in this process (default auto: http)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("builtin", "sglang"),
+        default="builtin",
+        help="event classes of the simulated ranks: ours, or SGLang's own KVEventBatch/BlockStored/... "
+        "(needs sglang installed; its import takes seconds)",
     )
     parser.add_argument("--tokens", choices=("auto", "deepseek", "synthetic"), default="auto", help="prompt tokens")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout (the log goes to stderr)")
@@ -364,6 +371,7 @@ class Demo:
         self.clock = 0.0
         self.requests: list[Request] = []
         self.query_lines: list[str] = []
+        self.events: EventTypes = BUILTIN_EVENTS
 
     def say(self, line: str = "") -> None:
         print(line, file=self.out, flush=True)
@@ -378,6 +386,11 @@ class Demo:
             raise DemoError(f"--hbm-pages {args.hbm_pages} cannot hold one {args.prompt_tokens}-token prompt")
         started = time.monotonic()
         prompts = Prompts(args.tokens)
+        if args.engine == "sglang":
+            found = sglang_event_types()
+            if found is None:
+                raise DemoError("--engine sglang: sglang.srt.disaggregation.kv_events does not import here")
+            self.events = found
         context: zmq.Context[Any] = zmq.Context()
         adapter: Adapter | None = None
         try:
@@ -409,7 +422,9 @@ class Demo:
                     bind=True,  # SGLang binds only "*"/"0.0.0.0" endpoints; ours is loopback
                 )
                 try:
-                    instance = SimulatedInstance(config, args.ranks, args.hbm_pages, args.page_size, context=context)
+                    instance = SimulatedInstance(
+                        config, args.ranks, args.hbm_pages, args.page_size, context=context, events=self.events
+                    )
                 except zmq.ZMQError:
                     if attempt == 2:
                         raise
@@ -430,6 +445,7 @@ class Demo:
             "model); ranks run as threads of this process, each with the plugin's RankPublisher on its own "
             "PUSH socket, one FanIn per instance"
         )
+        self.say(f"  events : built with {self.events.name}")
         self.say(f"  tokens : {prompts.source}")
         for instance_id, instance in self.instances.items():
             cfg = instance.config
@@ -676,6 +692,7 @@ class Demo:
             "reason": reason,
             "elapsed_s": round(elapsed, 3),
             "engine": "builtin-simulator",
+            "event_classes": self.events.name,
             "tokens": prompts.source,
             "adapter": adapter.description,
             "instances": self.args.instances,
@@ -705,10 +722,3 @@ def _adapter_health(workers: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _compact(response: dict[str, Any]) -> str:
     return json.dumps(response, separators=(", ", ": "))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sglang-kvpub")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["demo", *(argv or [])])
-    return int(args.run(args))

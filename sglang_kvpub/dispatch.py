@@ -210,9 +210,11 @@ class InflightLoad:
             raise ValueError(f"half_life_s must be positive, got {half_life_s}")
         self._rate = math.log(2.0) / half_life_s
         self._values = [0.0] * dp_size
-        self._stamp = time.monotonic()
+        self._stamp: float | None = None
 
     def _decay(self, now: float) -> None:
+        if self._stamp is None:
+            self._stamp = now
         elapsed = now - self._stamp
         if elapsed > 0:
             factor = math.exp(-self._rate * elapsed)

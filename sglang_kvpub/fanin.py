@@ -39,6 +39,14 @@ with ``ROUTER_MANDATORY``: a slow reader slows only its own reply, never the str
 
 Thread safety: :meth:`ingest` may be called from any thread; calls are serialised by
 one lock and each rank's order is the order of its calls.
+
+Hot path (internal channel): a burst of frames is handled under one lock acquisition;
+each payload from our own rank publishers is decoded only structurally (token ids stay
+msgpack bytes, see :class:`~sglang_kvpub.residency.RawBatch`), published as is, and its
+residency update is queued; the queue is applied at the end of the burst and before
+anything reads residency (snapshot, stats, a rank restart).  Token ids are not
+re-validated here: the channel is private to the instance, and every consumer's decoder
+checks them.
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ import zmq
 
 from sglang_kvpub.channel import ChannelPuller, default_channel_endpoint, parse_channel_frames, resolve_channel_endpoint
 from sglang_kvpub.config import PluginConfig, should_bind
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.residency import RankResidency, raw_batch_decoder
+from sglang_kvpub.security import apply_server, server_keys_from_files, start_authenticator
 from sglang_kvpub.wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -145,8 +154,11 @@ class FanIn:
         self._encoder = BatchEncoder(config.event_encoding)
         self._decoder = BatchDecoder()
         self._trusted = msgspec.msgpack.Decoder(EventBatch)
+        self._fast = raw_batch_decoder()
+        self._pending: list[tuple[int, list[Any]]] = []  # (dp_rank, events) not yet in residency
         self._lock = threading.Lock()
         self._counter = 0
+        self._seq_base = make_seq(self.epoch, 0)
         self._last_seq = -1
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._ranks: dict[int, RankState] = {}
@@ -157,6 +169,7 @@ class FanIn:
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._puller: ChannelPuller | None = None
+        self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._log_malformed = _RateLog()
         self._log_gap = _RateLog()
         self._counts = collections.Counter[str]()
@@ -170,9 +183,12 @@ class FanIn:
             raise RuntimeError("FanIn already started")
         context = self._context = self._context or zmq.Context()
         config = self.config
+        curve = server_keys_from_files(config.curve_secret_key_file, config.curve_public_key_file)
+        self._auth = start_authenticator(context, config.curve_authorized_keys) if curve else None
         pub = context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, config.hwm)
         pub.setsockopt(zmq.LINGER, 0)
+        apply_server(pub, curve)
         try:
             if should_bind(config.endpoint, config.bind):
                 pub.bind(config.endpoint)
@@ -183,6 +199,7 @@ class FanIn:
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 router.setsockopt(zmq.SNDHWM, 1000)
                 router.setsockopt(zmq.LINGER, 0)
+                apply_server(router, curve)
                 self._router = router
                 router.bind(config.replay_endpoint)
             if self.listen_channel:
@@ -210,6 +227,9 @@ class FanIn:
         with self._lock:
             pub, self._pub = self._pub, None
             self._close_sockets(pub)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._owns_context and self._context is not None:
             self._context.term()
             self._context = None
@@ -236,38 +256,65 @@ class FanIn:
         with self._lock:
             if self._pub is None:
                 return
-            if not self._track(dp_rank, rank_epoch, rank_seq):
-                return
-            if isinstance(batch_or_payload, EventBatch):
-                batch = batch_or_payload
-                payload = self._encode(batch, dp_rank)
-            else:
-                if not batch_or_payload:
-                    return
-                decoded = self._decode_rank_payload(dp_rank, batch_or_payload)
-                if decoded is None:
-                    return
-                batch = decoded
-                payload = bytes(batch_or_payload) if batch.dp_rank == dp_rank else self._encode(batch, dp_rank)
-            self._emit(payload)
-            residency = self._residency_of(dp_rank)
-            for event in batch.events:
-                residency.apply(event)
+            self._forward(dp_rank, rank_epoch, rank_seq, batch_or_payload, time.time(), time.monotonic())
+            self._apply_pending()
 
-    def _decode_rank_payload(self, dp_rank: int, payload: bytes) -> EventBatch | None:
-        # Our rank publishers wrote it with our encoder: msgspec's typed decoder is enough
-        # (it still rejects anything not shaped like a batch); other shapes take the full path.
+    def _forward(
+        self,
+        dp_rank: int,
+        rank_epoch: int,
+        rank_seq: int,
+        batch_or_payload: EventBatch | bytes,
+        wall: float,
+        mono: float,
+    ) -> None:
+        """Under the lock: sequence check, decode, publish; queues the residency update."""
+        if not self._track(dp_rank, rank_epoch, rank_seq, wall, mono):
+            return
+        if isinstance(batch_or_payload, EventBatch):
+            events: list[Any] = batch_or_payload.events
+            payload = self._encode(batch_or_payload, dp_rank)
+        else:
+            if not batch_or_payload:
+                return
+            decoded = self._decode_rank_payload(dp_rank, batch_or_payload)
+            if decoded is None:
+                return
+            events, payload = decoded
+        self._emit(payload)
+        if events:
+            self._pending.append((dp_rank, events))
+
+    def _apply_pending(self) -> None:
+        """Under the lock: applies queued batches to the ranks' residency, in arrival order."""
+        pending = self._pending
+        if pending:
+            self._pending = []
+            for dp_rank, events in pending:
+                self._residency_of(dp_rank).apply_all(events)
+
+    def _decode_rank_payload(self, dp_rank: int, payload: bytes) -> tuple[list[Any], bytes] | None:
+        """``(events, payload to publish)``, or None for a malformed payload (counted)."""
+        # Our rank publishers' payloads, already tagged: a structural decode (token ids stay
+        # msgpack bytes) and the payload is forwarded as is.
         try:
-            batch: EventBatch = self._trusted.decode(payload)
-            return batch
+            raw = self._fast.decode(payload)
+            if raw.dp_rank == dp_rank and raw.tokens_look_valid():
+                return raw.events, payload
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
+        # Untagged, array-encoded or another engine's shape: full decode, tagged here if needed.
         try:
-            return self._decoder.decode(payload)
-        except WireError as exc:
-            self._counts["malformed"] += 1
-            self._log_malformed("kvpub fan-in: rank %d sent a malformed payload: %s", dp_rank, exc)
-            return None
+            batch: EventBatch = self._trusted.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            try:
+                batch = self._decoder.decode(payload)
+            except WireError as exc:
+                self._counts["malformed"] += 1
+                self._log_malformed("kvpub fan-in: rank %d sent a malformed payload: %s", dp_rank, exc)
+                return None
+        forwarded = bytes(payload) if batch.dp_rank == dp_rank else self._encode(batch, dp_rank)
+        return batch.events, forwarded
 
     def _encode(self, batch: EventBatch, dp_rank: int) -> bytes:
         enrich_batch(batch, dp_rank=dp_rank, block_size=0, hash_form=self.config.hash_form)
@@ -279,7 +326,7 @@ class FanIn:
             residency = self._residency[dp_rank] = RankResidency()
         return residency
 
-    def _track(self, dp_rank: int, rank_epoch: int, rank_seq: int) -> bool:
+    def _track(self, dp_rank: int, rank_epoch: int, rank_seq: int, wall: float, mono: float) -> bool:
         """Updates the rank's sequence state; False for a duplicate to drop."""
         state = self._ranks.get(dp_rank)
         if state is None:
@@ -302,8 +349,8 @@ class FanIn:
                 self._log_gap("kvpub fan-in: rank %d lost %d batch(es) before rank_seq %d", dp_rank, missing, rank_seq)
         state.last_rank_seq = rank_seq
         state.batches += 1
-        state.last_seen = time.time()
-        state.last_seen_mono = time.monotonic()
+        state.last_seen = wall
+        state.last_seen_mono = mono
         if not state.alive:
             if state.batches > 1:
                 log.warning("kvpub fan-in: rank %d is back", dp_rank)
@@ -316,19 +363,22 @@ class FanIn:
         state.rank_epoch = rank_epoch
         state.last_rank_seq = -1
         log.warning("kvpub fan-in: rank %d restarted (new rank epoch); clearing its blocks", dp_rank)
+        self._apply_pending()  # the old epoch's batches first, then the clear
         self._residency_of(dp_rank).clear()
         self._emit(self._encoder.encode(EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)))
         self._counts["rank_restarts"] += 1
 
     def _emit(self, payload: bytes) -> int:
         """Publishes one instance batch under the lock; returns its seq."""
-        seq = make_seq(self.epoch, self._counter)
-        self._counter += 1
+        counter = self._counter
+        seq = self._seq_base | counter
+        self._counter = counter + 1
         self._last_seq = seq
         self._buffer.append((seq, payload))
-        assert self._pub is not None
+        pub = self._pub
+        assert pub is not None
         try:
-            self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+            pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
         except zmq.Again:
             self._counts["pub_dropped"] += 1
         return seq
@@ -374,19 +424,25 @@ class FanIn:
                 next_liveness = now + heartbeat
 
     def _drain_channel(self, socket: zmq.Socket[bytes]) -> None:
-        for _ in range(_CHANNEL_BURST):
-            try:
-                frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+        """Up to one burst under one lock: each batch published as it is read, the
+        residency updated once the burst is out."""
+        wall, mono = time.time(), time.monotonic()
+        with self._lock:
+            if self._pub is None:
                 return
-            try:
-                dp_rank, rank_epoch, rank_seq, payload = parse_channel_frames(frames)
-            except WireError as exc:
-                with self._lock:
+            for _ in range(_CHANNEL_BURST):
+                try:
+                    frames = socket.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    dp_rank, rank_epoch, rank_seq, payload = parse_channel_frames(frames)
+                except WireError as exc:
                     self._counts["malformed"] += 1
-                self._log_malformed("kvpub fan-in: malformed internal frame: %s", exc)
-                continue
-            self.ingest(dp_rank, rank_epoch, rank_seq, payload)
+                    self._log_malformed("kvpub fan-in: malformed internal frame: %s", exc)
+                    continue
+                self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
+            self._apply_pending()
 
     def _check_liveness(self, now: float) -> None:
         with self._lock:
@@ -447,6 +503,7 @@ class FanIn:
 
     def _snapshot_items(self) -> Iterator[tuple[int, bytes]]:
         with self._lock:
+            self._apply_pending()
             snapshot_seq = self._last_seq
             ranks = sorted(set(range(self.dp_size)) | set(self._residency))
             frozen = {rank: self._residency[rank].copy() for rank in ranks if rank in self._residency}
@@ -502,6 +559,7 @@ class FanIn:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
+            self._apply_pending()
             ranks = {
                 rank: {
                     "rank_epoch": state.rank_epoch,

@@ -126,6 +126,28 @@ def _register_runtime_hooks(registry: Any, hook_type: Any) -> None:
             continue
         registry.register(target, hook, getattr(hook_type, kind))
         _runtime_registered.add(target)
+    _register_release_hooks(registry)
+
+
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+_RELEASE_HOOKS = "release-hooks"
+
+
+def _register_release_hooks(registry: Any) -> None:
+    """HBM-release truth (docs/hbm-release.md): only in scheduler processes, which own a tree.
+
+    The scheduler module is loaded before it calls ``load_plugins()``; other processes
+    (launcher, detokenizer, DP controller) never pay for importing the tree classes.
+    """
+    if _RELEASE_HOOKS in _runtime_registered or SCHEDULER_MODULE not in sys.modules:
+        return
+    from sglang_kvpub.reconcile import install_reconcile_hook
+    from sglang_kvpub.release_hooks import install_release_hooks
+
+    hooked = install_release_hooks(registry)
+    install_reconcile_hook(registry)
+    _runtime_registered.add(_RELEASE_HOOKS)
+    log.info("sglang_kvpub: HBM-release hooks on %d tree methods, idle-time reconciliation on", len(hooked))
 
 
 # --------------------------------------------------------------------------- CLI

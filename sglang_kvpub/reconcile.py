@@ -63,6 +63,9 @@ class Reconciler:
         # Stale phase: announced hashes checked so far (iterated in slices).
         self._stale: dict[str, list[int]] = {}
         self._missing: dict[str, dict[int, Any]] = {}
+        # Big per-walk containers are emptied in later slices: freeing 1M entries at once
+        # would cost milliseconds in one step.
+        self._garbage: list[Any] = []
         self._checked: set[int] = set()
         self._media_left: list[str] = []
         self._iter: Any = None
@@ -85,6 +88,8 @@ class Reconciler:
             return False
         start = self.clock()
         try:
+            if self._garbage and not self._drain_garbage(start):
+                return False
             if self._stack is None:
                 if not force and drift(self.tree) == 0:
                     return False
@@ -93,6 +98,18 @@ class Reconciler:
         finally:
             self.slices += 1
             self.max_slice_s = max(self.max_slice_s, self.clock() - start)
+
+    def _drain_garbage(self, start: float) -> bool:
+        while self._garbage:
+            container = self._garbage[-1]
+            pop = container.popitem if isinstance(container, dict) else container.pop
+            for _ in range(min(len(container), 4096)):
+                pop()
+            if not container:
+                self._garbage.pop()
+            if self.clock() - start >= self.budget_s:
+                return not self._garbage
+        return True
 
     def run(self) -> None:
         """A whole walk at once (tests, bench)."""
@@ -200,6 +217,7 @@ class Reconciler:
             emit_stored(recorder, tracker, _stores_for(recorder, missing, medium), f"reconcile_missing_{suffix}")
         tracker.dirty = None
         self._stack = None
+        self._garbage.extend([self._visited, *self._truth.values()])
         self._visited = set()
         self._truth = {}
         self._stale = {}
@@ -236,7 +254,9 @@ def _stores_for(recorder: Any, missing: dict[int, Any], medium: str) -> list[Any
                 if block_hash in missing:
                     tokens = list(event.token_ids[index * size : (index + 1) * size])
                     out.append(
-                        msgspec.structs.replace(event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens)
+                        msgspec.structs.replace(
+                            event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens
+                        )
                     )
                 parent = block_hash
     return out

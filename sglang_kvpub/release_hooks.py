@@ -91,16 +91,16 @@ class Tracker:
 
     __slots__ = (
         "announced",
-        "plugin_removed",
-        "queue_ref",
-        "pos_event",
-        "pos_hash",
-        "pending",
-        "depth",
-        "tree",
         "corrections",
+        "depth",
         "dirty",
         "lock",
+        "pending",
+        "plugin_removed",
+        "pos_event",
+        "pos_hash",
+        "queue_ref",
+        "tree",
     )
 
     def __init__(self) -> None:
@@ -294,7 +294,7 @@ def _sglang_medium(module: Any, medium: str) -> Any:
         return medium
 
 
-def KVCacheEventRecorderEnqueue(recorder: Any, event: Any) -> None:  # noqa: N802 - names the SGLang call
+def KVCacheEventRecorderEnqueue(recorder: Any, event: Any) -> None:
     recorder.enqueue(event)
 
 

@@ -11,6 +11,13 @@ header (flags, parent hash) and the token ids as u32 (u64 if any id does not fit
 128-token block costs about 630 bytes (554-byte value, int key, dict slot): 1M blocks of
 128 tokens take about 630 MB.  Rare per-block metadata (LoRA, salt, session) lives in a
 side dict only for the blocks that carry it.
+
+Fast path (the fan-in): :class:`RawBatch` decodes a rank payload with each store's
+``token_ids`` left as msgpack bytes (:class:`RawStored`), so no per-token Python int is
+made on the stream's hot path.  A single-block ``RawStored`` is kept as those bytes
+(flag ``_RAW``) and decoded only when a snapshot or :meth:`RankResidency.tokens` needs
+it; token bytes that do not decode to integers are then skipped and counted
+(``invalid_tokens``).  The msgpack bytes of small ids are about as compact as u32.
 """
 
 from __future__ import annotations
@@ -18,7 +25,9 @@ from __future__ import annotations
 import struct
 from array import array
 from collections.abc import Iterable, Iterator
-from typing import Union
+from typing import Any, Union
+
+import msgspec
 
 from sglang_kvpub.wire import (
     MEDIUM_CPU,
@@ -29,11 +38,21 @@ from sglang_kvpub.wire import (
     BlockRemoved,
     BlockStored,
     Event,
+    WireError,
     to_i64,
     to_u64,
 )
 
-__all__ = ["RankResidency", "BYTES_PER_BLOCK_OVERHEAD", "MEDIA_ORDER"]
+__all__ = [
+    "RankResidency",
+    "BYTES_PER_BLOCK_OVERHEAD",
+    "MEDIA_ORDER",
+    "RawStored",
+    "RawRemoved",
+    "RawCleared",
+    "RawBatch",
+    "raw_batch_decoder",
+]
 
 MEDIA_ORDER = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
 # Key int (32) + dict slot (~40) + bytes object header (33) + our header (9), measured on CPython 3.11.
@@ -43,6 +62,10 @@ _HEAD = struct.Struct("<BQ")
 _HAS_PARENT = 1
 _WIDE = 2
 _NEG_PARENT = 4
+_RAW = 8  # the tokens are the msgpack array as received, decoded lazily
+_RAW_ROOT_HEAD = _HEAD.pack(_RAW, 0)
+_MSGPACK_ARRAY_HEADS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
+_TOKENS = msgspec.msgpack.Decoder(list[int])
 
 # (lora_id, lora_name, cache_salt, session_id)
 _Extras = tuple[Union[int, None], Union[str, None], Union[str, None], Union[str, None]]
@@ -76,10 +99,64 @@ def _parent_of(entry: bytes) -> int | None:
 
 
 def _tokens_of(entry: bytes) -> list[int]:
+    """The block's token ids; raises :class:`WireError` for raw bytes that are not integers."""
+    if entry[0] & _RAW:
+        try:
+            return _TOKENS.decode(memoryview(entry)[_HEAD.size :])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError("bad token ids", str(exc)) from None
     wide = entry[0] & _WIDE
     tokens = array("q" if wide else "I")
     tokens.frombytes(entry[_HEAD.size :])
     return tokens.tolist()
+
+
+# ----------------------------------------------------------------------- fast decode
+# Mirrors of wire.BlockStored/BlockRemoved/AllBlocksCleared/EventBatch (same tags, fields
+# and defaults) except that ``token_ids`` stays undecoded msgpack.
+
+
+class RawStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None] = None
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    cache_salt: Union[str, None] = None
+    session_id: Union[str, None] = None
+
+
+class RawRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None] = None
+
+
+class RawCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+RawEvent = Union[RawStored, RawRemoved, RawCleared]
+
+
+class RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[RawEvent]
+    dp_rank: Union[int, None] = None
+
+    def tokens_look_valid(self) -> bool:
+        """Every store's ``token_ids`` is a msgpack array (its items are checked lazily)."""
+        for event in self.events:
+            if type(event) is RawStored:
+                raw = event.token_ids
+                if not len(raw) or memoryview(raw)[0] not in _MSGPACK_ARRAY_HEADS:
+                    return False
+        return True
+
+
+def raw_batch_decoder() -> msgspec.msgpack.Decoder[RawBatch]:
+    return msgspec.msgpack.Decoder(RawBatch)
 
 
 class RankResidency:
@@ -90,22 +167,26 @@ class RankResidency:
         self._media: dict[str, dict[int, bytes]] = {}
         self._extras: dict[tuple[str, int], _Extras] = {}
         self.unknown_removals = 0
+        self.invalid_tokens = 0
         self.clears = 0
 
     # ------------------------------------------------------------------ updates
 
-    def apply(self, event: Event) -> None:
+    def apply(self, event: Event | RawEvent) -> None:
         kind = type(event)
-        if kind is BlockStored:
+        if kind is RawStored:
+            self._store_raw(event)  # type: ignore[arg-type]
+        elif kind is BlockStored:
             self._store(event)  # type: ignore[arg-type]
-        elif kind is BlockRemoved:
+        elif kind is BlockRemoved or kind is RawRemoved:
             self._remove(event)  # type: ignore[arg-type]
-        elif kind is AllBlocksCleared:
+        elif kind is AllBlocksCleared or kind is RawCleared:
             self.clear()
 
-    def apply_all(self, events: Iterable[Event]) -> None:
+    def apply_all(self, events: Iterable[Event | RawEvent]) -> None:
+        apply = self.apply
         for event in events:
-            self.apply(event)
+            apply(event)
 
     def clear(self) -> None:
         self._media.clear()
@@ -113,12 +194,45 @@ class RankResidency:
         self.clears += 1
 
     def _store(self, event: BlockStored) -> None:
+        self._store_tokens(event, event.token_ids)
+
+    def _store_raw(self, event: RawStored) -> None:
+        """One block: header + the msgpack token bytes; several: decoded and packed."""
+        hashes = event.block_hashes
+        if len(hashes) != 1:
+            try:
+                tokens = _TOKENS.decode(event.token_ids)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.invalid_tokens += len(hashes)
+                return
+            self._store_tokens(event, tokens)
+            return
+        medium = event.medium or self.default_medium
+        blocks = self._media.get(medium)
+        if blocks is None:
+            blocks = self._media[medium] = {}
+        parent = event.parent_block_hash
+        if parent is None:
+            head = _RAW_ROOT_HEAD
+        elif parent >= 0:
+            head = _HEAD.pack(_RAW | _HAS_PARENT, to_u64(parent))
+        else:
+            head = _HEAD.pack(_RAW | _HAS_PARENT | _NEG_PARENT, to_u64(parent))
+        block_hash = hashes[0]
+        blocks[block_hash] = head + event.token_ids
+        if event.lora_id is None and event.lora_name is None and event.cache_salt is None and event.session_id is None:
+            if self._extras:
+                self._extras.pop((medium, block_hash), None)
+        else:
+            self._extras[(medium, block_hash)] = (event.lora_id, event.lora_name, event.cache_salt, event.session_id)
+
+    def _store_tokens(self, event: Any, token_ids: list[int]) -> None:
         medium = event.medium or self.default_medium
         blocks = self._media.setdefault(medium, {})
         hashes = event.block_hashes
         if not hashes:
             return
-        raw, wide = _token_bytes(event.token_ids)
+        raw, wide = _token_bytes(token_ids)
         step = (len(raw) // len(hashes)) if raw else 0
         extras: _Extras = (event.lora_id, event.lora_name, event.cache_salt, event.session_id)
         has_extras = extras != (None, None, None, None)
@@ -131,7 +245,7 @@ class RankResidency:
                 self._extras.pop((medium, block_hash), None)
             parent = block_hash
 
-    def _remove(self, event: BlockRemoved) -> None:
+    def _remove(self, event: BlockRemoved | RawRemoved) -> None:
         medium = event.medium or self.default_medium
         blocks = self._media.get(medium)
         for block_hash in event.block_hashes:
@@ -170,6 +284,7 @@ class RankResidency:
     def copy(self) -> RankResidency:
         """A frozen view for lazy snapshots: shallow dict copies (values are immutable)."""
         other = RankResidency(self.default_medium)
+        other.invalid_tokens = self.invalid_tokens
         other._media = {medium: dict(blocks) for medium, blocks in self._media.items() if blocks}
         other._extras = dict(self._extras)
         return other
@@ -207,7 +322,11 @@ class RankResidency:
             for node in self._unemitted_chain(blocks, block_hash, emitted):
                 emitted.add(node)
                 entry = blocks[node]
-                tokens = _tokens_of(entry)
+                try:
+                    tokens = _tokens_of(entry)
+                except WireError:  # undecodable raw tokens: left out (children start new roots)
+                    self.invalid_tokens += 1
+                    continue
                 extras = self._extras.get((medium, node))
                 parent = _parent_of(entry)
                 if (

@@ -37,6 +37,7 @@ __all__ = [
     "apply_server",
     "apply_client",
     "start_authenticator",
+    "RateLimiter",
     "add_parser",
     "run",
 ]
@@ -72,7 +73,9 @@ def _load(path: Union[str, Path]) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise SecurityError(f"{path}: not a readable CURVE key file ({exc}); create one with sglang-kvpub keygen")
+        raise SecurityError(
+            f"{path}: not a readable CURVE key file ({exc}); create one with sglang-kvpub keygen"
+        ) from None
     if public is None or len(public) != 40:
         raise SecurityError(f"{path}: no Z85 public key in it; create one with sglang-kvpub keygen")
     return public, secret
@@ -100,7 +103,9 @@ def load_secret_key(path: Union[str, Path]) -> CurveServerKeys:
     return CurveServerKeys(public=public, secret=secret)
 
 
-def server_keys_from_files(secret_file: Union[str, None], public_file: Union[str, None] = None) -> CurveServerKeys | None:
+def server_keys_from_files(
+    secret_file: Union[str, None], public_file: Union[str, None] = None
+) -> CurveServerKeys | None:
     """The fan-in's keys from its config (None: CURVE off); a public file must match the secret."""
     if not secret_file:
         if public_file:
@@ -178,3 +183,40 @@ def run(args: argparse.Namespace) -> int:
     key = load_public_key(public).decode("ascii")
     print(f"public key file: {public}\nsecret key file: {secret} (mode 0600, keep it private)\npublic key: {key}")
     return 0
+
+
+# --------------------------------------------------------------------------- rate limit
+
+
+class RateLimiter:
+    """Token buckets per client key (the HTTP service keys by peer IP).
+
+    ``rate`` tokens per second, up to ``burst``; ``allow`` takes one token.  At most
+    ``max_clients`` buckets are kept (the least recently refilled go first), so a flood
+    of source addresses cannot grow memory without bound.
+    """
+
+    def __init__(self, rate: float, burst: int, max_clients: int = 10_000) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be > 0 and burst >= 1")
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_clients = max_clients
+        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
+        self.refused = 0
+
+    def allow(self, key: str, now: float) -> bool:
+        tokens, last = self._buckets.pop(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - last) * self.rate)
+        allowed = tokens >= 1.0
+        if allowed:
+            tokens -= 1.0
+        else:
+            self.refused += 1
+        self._buckets[key] = (tokens, now)  # re-inserted: dict order is recency order
+        if len(self._buckets) > self.max_clients:
+            del self._buckets[next(iter(self._buckets))]
+        return allowed
+
+    def __len__(self) -> int:
+        return len(self._buckets)

@@ -33,9 +33,19 @@ from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.fanin import FanIn
 from sglang_kvpub.rank_publisher import RankPublisher
 from sglang_kvpub.sim_cache import RankCache
-from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
-__all__ = ["Dispatch", "PrefillResult", "SimulatedInstance", "SimulatedRank", "engine_block_hashes", "page_digests"]
+__all__ = [
+    "BUILTIN_EVENTS",
+    "Dispatch",
+    "EventTypes",
+    "PrefillResult",
+    "SimulatedInstance",
+    "SimulatedRank",
+    "engine_block_hashes",
+    "page_digests",
+    "sglang_event_types",
+]
 
 _U32_MAX = 0xFFFFFFFF
 
@@ -68,6 +78,40 @@ def engine_block_hashes(token_ids: Sequence[int], page_size: int) -> list[int]:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventTypes:
+    """The classes a rank builds its events with: ours (``wire``) or SGLang's own."""
+
+    name: str
+    stored: Callable[..., Any]
+    removed: Callable[..., Any]
+    cleared: Callable[[], Any]
+    batch: Callable[[float, list[Any]], Any]  # (ts, events) -> a batch without dp_rank
+
+
+BUILTIN_EVENTS = EventTypes(
+    "sglang_kvpub.wire", BlockStored, BlockRemoved, AllBlocksCleared, lambda ts, ev: EventBatch(ts=ts, events=ev)
+)
+
+
+def sglang_event_types() -> EventTypes | None:
+    """SGLang's real ``KVEventBatch``/``BlockStored``/... when SGLang imports (slow: seconds), else None.
+
+    The rank publisher then converts SGLang's own structs, exactly as in a scheduler process.
+    """
+    try:
+        from sglang.srt.disaggregation import kv_events
+    except Exception:  # not installed, or its imports fail on this machine
+        return None
+    return EventTypes(
+        f"SGLang's own structs ({kv_events.__name__})",
+        kv_events.BlockStored,
+        kv_events.BlockRemoved,
+        kv_events.AllBlocksCleared,
+        lambda ts, ev: kv_events.KVEventBatch(ts=ts, events=ev),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefillResult:
     """What one prefill did on the rank."""
 
@@ -76,7 +120,7 @@ class PrefillResult:
     cached_tokens: int  # the prefix hit, full pages only
     stored_pages: int
     evicted_pages: int
-    batch: EventBatch | None  # None when the cache did not change
+    batch: Any  # an EventBatch (or SGLang's KVEventBatch); None when the cache did not change
 
 
 class SimulatedRank:
@@ -92,9 +136,11 @@ class SimulatedRank:
         dp_rank: int,
         capacity_pages: int,
         page_size: int = 128,
-        publish: Callable[[EventBatch], None] | None = None,
+        publish: Callable[[Any], None] | None = None,
         clock: Callable[[], float] = time.time,
+        events: EventTypes = BUILTIN_EVENTS,
     ) -> None:
+        self.events = events
         self.dp_rank = dp_rank
         self.page_size = page_size
         self.cache = RankCache(capacity_pages, page_size)
@@ -119,17 +165,19 @@ class SimulatedRank:
         hit_pages = self.cache.match(keys, touch=True)
         pages = [tuple(token_ids[i * page : (i + 1) * page]) for i in range(len(keys))]
         stored, evicted = self.cache.insert(keys, tokens=pages)
-        events: list[Event] = []
+        types = self.events
+        events: list[Any] = []
         if evicted:  # SGLang evicts to make room before the new pages are inserted
-            events.append(BlockRemoved(block_hashes=[_as_int(k) for k in evicted], medium=MEDIUM_GPU))
+            events.append(types.removed(block_hashes=[_as_int(k) for k in evicted], medium=MEDIUM_GPU))
         if stored:
             first = hit_pages  # insert stores the pages right after the matched prefix
             events.append(
-                BlockStored(
+                types.stored(
                     block_hashes=keys[first : first + len(stored)],
                     parent_block_hash=int(keys[first - 1]) if first else None,
                     token_ids=[t for p in pages[first : first + len(stored)] for t in p],
                     block_size=page,
+                    lora_id=None,
                     medium=MEDIUM_GPU,
                 )
             )
@@ -141,20 +189,24 @@ class SimulatedRank:
         self.evicted_pages += len(evicted)
         return PrefillResult(self.dp_rank, len(token_ids), hit_pages * page, len(stored), len(evicted), batch)
 
-    def flush(self) -> EventBatch:
+    def flush(self) -> Any:
         """``flush_cache``: everything leaves HBM; one ``AllBlocksCleared`` (as SGLang's reset)."""
         self.cleared_pages += len(self.cache.clear())
-        batch = self._emit([AllBlocksCleared()])
+        batch = self._emit([self.events.cleared()])
         assert batch is not None
         return batch
 
     def resident_pages(self) -> int:
         return len(self.cache)
 
-    def _emit(self, events: list[Event]) -> EventBatch | None:
+    def resident_hashes(self) -> list[int]:
+        """The engine block hashes of every page in HBM, parents first."""
+        return [_as_int(key) for key in self.cache.resident()]
+
+    def _emit(self, events: list[Any]) -> Any:
         if not events:
             return None
-        batch = EventBatch(ts=self._clock(), events=events, dp_rank=None)
+        batch = self.events.batch(self._clock(), events)
         self.batches += 1
         if self._publish is not None:
             self._publish(batch)
@@ -193,6 +245,7 @@ class SimulatedInstance:
         page_size: int = 128,
         *,
         context: zmq.Context[Any] | None = None,
+        events: EventTypes = BUILTIN_EVENTS,
     ) -> None:
         self.config = config
         self.page_size = page_size
@@ -204,7 +257,9 @@ class SimulatedInstance:
             for rank in range(dp_size):
                 publisher = RankPublisher(config, rank, page_size, self.fanin.channel_endpoint, context=context)
                 self.publishers.append(publisher)
-                self.ranks.append(SimulatedRank(rank, capacity_pages, page_size, publish=publisher.publish))
+                self.ranks.append(
+                    SimulatedRank(rank, capacity_pages, page_size, publish=publisher.publish, events=events)
+                )
         except BaseException:
             self.close()
             raise

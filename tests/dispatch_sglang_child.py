@@ -18,7 +18,7 @@ from array import array
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sglang_real  # noqa: E402
+import sglang_real
 
 RANKS = 16
 BLOCK = 128
@@ -55,7 +55,9 @@ def main() -> None:
     class Reader:
         def read_all(self) -> list:
             now = time.time()
-            return [snap.LoadSnapshot(timestamp=now, dp_rank=r, num_total_tokens=t) for r, t in enumerate(loads["tokens"])]
+            return [
+                snap.LoadSnapshot(timestamp=now, dp_rank=r, num_total_tokens=t) for r, t in enumerate(loads["tokens"])
+            ]
 
     def controller(method: str):
         c = dpc.DataParallelController.__new__(dpc.DataParallelController)
@@ -96,9 +98,11 @@ def main() -> None:
             routed_dp_rank=routed,
         )
 
-    def landed(c, items) -> list[int]:
+    def landed(c, items, fresh_loads: bool = True) -> list[int]:
         out = []
         for item in items:
+            if fresh_loads:
+                c._last_refresh_time = 0.0  # each request sees a new load snapshot (not throttled)
             c._request_dispatcher(item)
             got = []
             for _ in range(len(item) if isinstance(item, io.BatchTokenizedGenerateReqInput) else 1):
@@ -126,18 +130,25 @@ def main() -> None:
             "hot": landed(c, [req(p) for p in prompts]),
             "explicit": landed(c, [req(prompts[0], routed=r) for r in (3, 7, 12)]),
             "short": landed(c, [req(list(range(BLOCK - 1))) for _ in range(4)]),
-            "batch": landed(c, [io.BatchTokenizedGenerateReqInput(batch=[req(p) for p in prompts[:4]])]),
+            "batch": landed(c, [io.BatchTokenizedGenerateReqInput(batch=[req(p) for p in prompts[:2]])]),
         }
-        # Skew: rank 7's real load climbs until the guard spills to the least loaded rank (2).
-        loads["tokens"] = [5000] * RANKS
+        scenario["stats"] = d.stats()["decisions"]
+        # Skew: a hot prefix (2560 of 2660 tokens cached on rank 7) while rank 7's load climbs;
+        # a small load weight keeps the cost on rank 7, so only the guard can spill (to rank 2).
+        c = controller(method)
+        d = dispatch.attach_dispatcher(
+            c, block_size=BLOCK, load_weight=0.05, hotspot_spread=16384, hotspot_relative=1.0
+        )
+        d.observe(EventBatch(time.time(), [BlockStored(list(range(1, 21)), None, prefix, BLOCK, medium="GPU")], 7), 7)
+        loads["tokens"] = [2000] * RANKS
         loads["tokens"][2] = 0
         skew = []
         for step in range(8):
-            loads["tokens"][7] = 5000 + step * 6000
-            c._last_refresh_time = 0.0  # a fresh snapshot per step
-            skew.append({"load7": loads["tokens"][7], "rank": landed(c, [req(prompts[step])])[0]})
+            loads["tokens"][7] = step * 6000
+            tokens = prefix + [(step * 13 + k) % 150_000 for k in range(100)]
+            skew.append({"load7": loads["tokens"][7], "rank": landed(c, [req(tokens)])[0]})
         scenario["skew"] = skew
-        scenario["stats"] = d.stats()["decisions"]
+        scenario["skew_stats"] = d.stats()["decisions"]
         result[method] = scenario
 
     # Without a dispatcher attached the hooks are inert: SGLang's round robin.

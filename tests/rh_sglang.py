@@ -46,7 +46,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _StandIn(spec.name)
         module.__path__ = []
-        module.__version__ = "0.28.0"  # transformers parses torchvision's version
+        module.__version__ = "0.28.0"  # type: ignore[attr-defined]  # transformers parses it
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -130,7 +130,8 @@ def _skip_reason(deps: Sequence[str], what: str) -> str:
     missing = missing_modules(deps)
     if not missing:
         return ""
-    return f"real SGLang {what} cannot load: missing Python modules {', '.join(missing)} (see .ci/requirements-sglang.txt)"
+    names = ", ".join(missing)
+    return f"real SGLang {what} cannot load: missing Python modules {names} (see .ci/requirements-sglang.txt)"
 
 
 def _marker(deps: Sequence[str], what: str) -> pytest.MarkDecorator:
@@ -310,9 +311,7 @@ class RadixApi:
         return int(cache.evict(self.EvictParams(num_tokens=num_tokens)).num_tokens_evicted)
 
 
-def hashlib_page_hashes(
-    token_ids: Sequence[int], prior_digest: bytes | None, page_size: int | None
-) -> str | list[str]:
+def hashlib_page_hashes(token_ids: Sequence[int], prior_digest: bytes | None, page_size: int | None) -> str | list[str]:
     """SGLang's page hash from its documented definition: per page, SHA-256 over the previous
     page's digest (if any) then the page's token ids as little-endian u32; hex digests.
     ``page_size=None`` hashes all tokens as one page and returns one hex string."""
@@ -354,7 +353,7 @@ class _HashlibNativeModule:
 def use_hashlib_native_hash() -> None:
     """Replaces SGLang's JIT hash loader with the hashlib stand-in in this process."""
     native = load_module("sglang.srt.mem_cache.cpp_utils.native_hash", FULL_DEPS)
-    native._load_native_hash_module = lambda: _HashlibNativeModule()
+    native._load_native_hash_module = lambda: _HashlibNativeModule()  # type: ignore[attr-defined]
 
 
 def _hash_impl() -> str:
@@ -403,7 +402,7 @@ def probe_modules(names: Sequence[str]) -> dict[str, str]:
         try:
             load_module(name)
             results[name] = "ok"
-        except BaseException as exc:  # noqa: BLE001 - a probe reports every failure
+        except BaseException as exc:  # a probe reports every failure
             frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
             where = f" [{frame.filename.split('site-packages/')[-1]}:{frame.lineno}]" if frame else ""
             results[name] = f"{type(exc).__name__}: {exc}{where}"
@@ -440,4 +439,5 @@ def child_env(mode: Mode = "light", base: dict[str, str] | None = None) -> dict[
 if __name__ == "__main__":  # python tests/sglang_real.py: which SGLang modules import here
     import json
 
-    print(json.dumps(probe_modules(sys.argv[1:] or [KV_EVENTS, PLUGINS, RADIX_CACHE, KV_EVENTS_PUBLISHER, DP_CONTROLLER]), indent=1))
+    names = sys.argv[1:] or [KV_EVENTS, PLUGINS, RADIX_CACHE, KV_EVENTS_PUBLISHER, DP_CONTROLLER]
+    print(json.dumps(probe_modules(names), indent=1))

@@ -7,14 +7,20 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
+from sglang_kvpub import wire
+from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.demo import Demo, Request
-from sglang_kvpub.simulator import Dispatch, PrefillResult, SimulatedRank, engine_block_hashes
+from sglang_kvpub.simulator import Dispatch, PrefillResult, SimulatedInstance, SimulatedRank, engine_block_hashes
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, split_stored
+from tests import e2e_checks
+from tests.conftest import free_tcp_endpoint
 
 PAGE = 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +94,7 @@ def test_eviction_and_flush_events_rebuild_the_cache_exactly() -> None:
     for seed in range(6):
         rank.prefill([seed * 100 + i for i in range(3 * PAGE)])
         _replay(published[-1].events, state)
-        assert state == set(rank.cache.resident())
+        assert state == set(rank.resident_hashes())
     removed = [e for b in published for e in b.events if isinstance(e, BlockRemoved)]
     assert removed and all(e.medium == "GPU" for e in removed)
     assert rank.evicted_pages == sum(len(e.block_hashes) for e in removed)
@@ -136,6 +142,78 @@ def test_hot_request_check_names_the_failure(hot: Request, ok: bool, words: str)
     assert passed is ok and words in reason
 
 
+# --------------------------------------------------------------------------- simulated instance (integration)
+
+
+class _Tap:
+    """A plain SUB on the instance stream recording ``(seq, EventBatch)`` as a router sees them."""
+
+    def __init__(self, ctx: zmq.Context[Any], endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.stream: list[tuple[int, EventBatch]] = []
+        self._decoder = wire.BatchDecoder()
+
+    def read_until(self, seq: int, timeout_s: float = 10.0) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not self.stream or self.stream[-1][0] < seq:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0, f"stream stopped at {self.stream[-1][0] if self.stream else None}, wanted {seq}"
+            if poller.poll(left_ms):
+                _, got, payload = wire.parse_live_frames(self.sock.recv_multipart())
+                self.stream.append((got, self._decoder.decode(payload)))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(60)
+def test_simulated_instance_stream_passes_the_shared_e2e_checks() -> None:
+    ctx: zmq.Context[Any] = zmq.Context()
+    config = PluginConfig(
+        endpoint=free_tcp_endpoint(), replay_endpoint=free_tcp_endpoint(), bind=True, heartbeat_s=0.05
+    )
+    instance = SimulatedInstance(config, dp_size=3, capacity_pages=6, page_size=128, context=ctx)
+    tap = _Tap(ctx, config.endpoint)
+    try:
+        tap.read_until(0)  # connected: a heartbeat arrived (PUB drops what a SUB missed before)
+        joined = tap.stream[-1][0]
+        prompt = [(7 * i) % 50_000 for i in range(640)]  # 5 pages
+        for _ in range(3):
+            instance.dispatch(prompt)  # round-robin: ranks 0, 1, 2
+        pressure = instance.dispatch([3] * 512, routed_dp_rank=0)  # 4 more pages on a 6-page rank
+        assert pressure.result.evicted_pages == 3
+
+        def caught_up() -> int:
+            deadline = time.monotonic() + 10
+            while not instance.delivered():
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+            return instance.stream_seq()
+
+        tap.read_until(caught_up())
+        live = [item for item in tap.stream if item[0] > joined]
+        e2e_checks.check_seq_increasing(live)
+        e2e_checks.check_ranks_in_one_stream(live, [0, 1, 2])
+        e2e_checks.check_stored_blocks(live, block_size=128, ranks=[0, 1, 2])
+        for dp_rank in (1, 2):
+            assert e2e_checks.check_prompt_on_rank(live, prompt, dp_rank) == 5
+        resident = e2e_checks.resident_blocks(live)
+        for rank in instance.ranks:
+            assert resident[rank.dp_rank] == {wire.to_u64(h) for h in rank.resident_hashes()}
+
+        before_flush = tap.stream[-1][0]
+        instance.flush_cache()
+        tap.read_until(caught_up())
+        e2e_checks.check_released_after(tap.stream, before_flush, [0, 1, 2], require_block_removed=False)
+    finally:
+        tap.sock.close()
+        instance.close()
+        ctx.term()
+
+
 # --------------------------------------------------------------------------- the demo (integration)
 
 
@@ -166,7 +244,8 @@ def test_demo_second_identical_request_hits_the_rank_holding_the_prefix(adapter:
     assert summary["ok"] is True
     requests = {r["req_id"]: r for r in summary["requests"]}
     cold, hot = requests["r1"], requests["r2"]
-    assert cold["policy"] == "load_balance" and cold["matched"] is None
+    e2e_checks.check_cold_decision(cold)
+    e2e_checks.check_affinity_decision(hot, cold["engine_dp_rank"], min_hbm=2560)
     assert "policy=load_balance matched=None" in log
     assert hot["policy"] == "kv_cache_affinity"
     assert hot["matched"] >= 2560 and hot["hbm"] >= 2560
@@ -199,3 +278,15 @@ def test_demo_refuses_an_hbm_too_small_for_the_prompt() -> None:
     code, summary, log = _run_demo("--hbm-pages", "4")
     assert code == 1 and not summary
     assert "cannot hold one 3000-token prompt" in log
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_with_sglang_own_event_structs() -> None:
+    pytest.importorskip("sglang.srt.disaggregation.kv_events", reason="sglang 0.5.23 not importable here")
+    code, summary, log = _run_demo("--engine", "sglang", "--instances", "1")
+    assert code == 0, log
+    assert "SGLang's own structs" in summary["event_classes"]
+    hot = {r["req_id"]: r for r in summary["requests"]}["r2"]
+    e2e_checks.check_affinity_decision(hot, hot["engine_dp_rank"], min_hbm=2560)

@@ -45,7 +45,7 @@ def test_good_stream_passes_every_check() -> None:
     assert checks.check_ranks_in_one_stream(stream, [0, 1]) == {0: 2, 1: 2}
     assert checks.check_seq_increasing(stream) == 5
     assert checks.check_stored_blocks(stream, block_size=PAGE, ranks=[0, 1]) == 3
-    assert checks.check_prompt_on_rank(stream, _prompt(1, 2) + [5, 6], rank=0, block_size=PAGE) == 2
+    assert checks.check_prompt_on_rank(stream, [*_prompt(1, 2), 5, 6], rank=0, block_size=PAGE) == 2
     assert checks.check_released_after(stream, 12, [0, 1]) == {0: 2, 1: 1}
 
 
@@ -72,7 +72,7 @@ def test_good_stream_passes_every_check() -> None:
         ),
         (lambda s: s[:4], lambda s: checks.check_released_after(s, 12, [0, 1]), "dp_rank 1: no BlockRemoved"),
         (
-            lambda s: s[:3] + [(13, wire.EventBatch(ts=2.0, events=[wire.AllBlocksCleared()], dp_rank=0))] + s[4:],
+            lambda s: [*s[:3], (13, wire.EventBatch(ts=2.0, events=[wire.AllBlocksCleared()], dp_rank=0)), *s[4:]],
             lambda s: checks.check_released_after(s, 12, [0, 1]),
             "dp_rank 0: no BlockRemoved",
         ),
@@ -90,7 +90,7 @@ def test_bad_streams_fail_with_a_reason(mutate: Any, check: Any, message: str) -
 
 @pytest.mark.unit
 def test_all_blocks_cleared_counts_when_allowed() -> None:
-    stream = _good_stream()[:3] + [(13, wire.EventBatch(ts=2.0, events=[wire.AllBlocksCleared()], dp_rank=0))]
+    stream = [*_good_stream()[:3], (13, wire.EventBatch(ts=2.0, events=[wire.AllBlocksCleared()], dp_rank=0))]
     stream.append((14, wire.EventBatch(ts=2.1, events=[wire.AllBlocksCleared()], dp_rank=1)))
     assert checks.check_released_after(stream, 12, [0, 1], require_block_removed=False) == {0: 0, 1: 0}
 
@@ -123,7 +123,7 @@ def test_checks_on_real_radix_cache_events() -> None:
     """Two real RadixCaches (one per rank, page 128) -> enriched batches -> the shared checks."""
     radix = sglang_real.load_radix_cache()
     caches = [radix.simulated(page_size=PAGE), radix.simulated(page_size=PAGE)]
-    prompts = [_prompt(4, 3) + [1, 2, 3], _prompt(5, 2)]
+    prompts = [[*_prompt(4, 3), 1, 2, 3], _prompt(5, 2)]
     stream: list[tuple[int, wire.EventBatch]] = []
     decoder = wire.BatchDecoder()
     kv = sglang_real.load_kv_events()

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
-import rh_trees as rt  # noqa: E402
+import rh_trees as rt
 
-from sglang_kvpub.reconcile import Reconciler, device_pages, drift  # noqa: E402
-from sglang_kvpub.release_hooks import tree_of  # noqa: E402
-from sglang_kvpub.wire import MEDIUM_GPU  # noqa: E402
+from sglang_kvpub.reconcile import Reconciler, device_pages, drift
+from sglang_kvpub.release_hooks import tree_of
+from sglang_kvpub.wire import MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -12,14 +12,14 @@ pytest.importorskip("torch")
 pytest.importorskip("sglang")
 pytest.importorskip("hypothesis")
 
-import rh_trees as rt  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+import rh_trees as rt
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sglang_kvpub.reconcile import Reconciler, device_pages, drift  # noqa: E402
-from sglang_kvpub.release_hooks import hook_targets, tree_of  # noqa: E402
-from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU  # noqa: E402
+from sglang_kvpub.reconcile import Reconciler, device_pages, drift
+from sglang_kvpub.release_hooks import hook_targets, tree_of
+from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -188,7 +188,7 @@ def test_page_128_random_workload_consistent() -> None:
     for make in (rt.unified_tree, rt.legacy_tree):
         tree = make(n, 128)
         sub = rt.Subscriber()
-        for step in range(60):
+        for _step in range(60):
             prefix = [rng.randrange(3) * 10_000 + i for i in range(256)]
             tokens = prefix + [rng.randrange(50_000) for _ in range(rng.randrange(0, 4) * 128)]
             op = rng.random()

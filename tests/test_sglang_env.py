@@ -118,7 +118,7 @@ def link(kv: Any, zctx: zmq.Context) -> Iterator[Link]:
 def _sglang_decoder(kv: Any) -> msgspec.msgpack.Decoder:
     """SGLang's own typed view of a payload, built from its real event classes."""
     event = Union[kv.BlockStored, kv.BlockRemoved, kv.AllBlocksCleared]
-    return msgspec.msgpack.Decoder(tuple[float, list[event], Union[int, None]])  # type: ignore[valid-type]
+    return msgspec.msgpack.Decoder(tuple[float, list[event], Union[int, None]])
 
 
 _FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")

@@ -8,8 +8,10 @@ torch_npu is never imported in the test process: once installed it breaks a plai
 from __future__ import annotations
 
 import functools
+import glob
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +30,14 @@ _PROBES = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def accelerator_problem(device: str) -> str | None:
     """None when ``device`` ('npu' or 'cuda') has >= 2 usable devices, else why not."""
     module, code = _PROBES[device]
     if importlib.util.find_spec(module) is None:
         return f"{module} is not installed"
+    if device == "cuda" and not glob.glob("/dev/nvidia[0-9]*") and not shutil.which("nvidia-smi"):
+        return "no CUDA device (no /dev/nvidia*, no nvidia-smi)"
     env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)

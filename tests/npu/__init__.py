@@ -1,0 +1,1 @@
+"""NPU / GPU tier (real hardware); a package so its conftest does not shadow tests/conftest.py."""

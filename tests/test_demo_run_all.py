@@ -1,0 +1,47 @@
+"""bench/run_all.py: JSON-line collection, flag filtering and the markdown it writes (unit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import run_all
+
+pytestmark = pytest.mark.unit
+
+
+def test_only_json_object_lines_are_collected() -> None:
+    text = 'note: warming up\n{"bench": "wire", "x": 1}\n[1, 2]\n{broken\n  {"bench": "wire", "y": 2.5}\n'
+    assert run_all.parse_json_lines(text) == [{"bench": "wire", "x": 1}, {"bench": "wire", "y": 2.5}]
+
+
+def test_table_has_every_key_of_every_record_as_a_column() -> None:
+    lines = run_all.table([{"bench": "b", "a": 1, "b": 0.123456}, {"bench": "b", "a": 20000, "c": None, "d": [1]}])
+    assert lines[0] == "| a | b | c | d |"
+    assert lines[2] == "| 1 | 0.1235 | - | - |"
+    assert lines[3] == "| 20,000 | - | - | `[1]` |"
+
+
+def test_missing_script_is_skipped_with_a_note_and_quick_flags_follow_help() -> None:
+    missing = run_all.run_bench(run_all.Bench("nope", "bench/does_not_exist.py"), quick=False, timeout_s=5)
+    assert missing["status"] == "skipped" and "does not exist" in missing["note"]
+    routing = next(b for b in run_all.BENCHES if b.name == "routing")
+    offered = run_all.Bench("routing", routing.script, quick=(("--no-plot", None), ("--not-a-flag", "1")))
+    cmd = run_all.command_for(offered, quick=True)
+    assert cmd is not None and "--no-plot" in cmd and "--not-a-flag" not in cmd
+
+
+def test_markdown_shows_the_command_above_each_table() -> None:
+    report = {
+        "command": "python bench/run_all.py",
+        "generated": "now",
+        "quick": False,
+        "machine": {"cpus": 2, "python": "3.11"},
+        "benches": [
+            {"name": "wire", "status": "ok", "command": "python bench/wire.py", "duration_s": 1.0,
+             "records": [{"bench": "wire", "decode_ratio": 0.9}]},
+            {"name": "fanin", "status": "skipped", "note": "bench/fanin.py does not exist yet", "records": []},
+        ],
+    }  # fmt: skip
+    text = run_all.markdown(report)
+    assert "`python bench/wire.py` (ok, 1.0 s)" in text and "| decode_ratio |" in text and "| 0.9 |" in text
+    assert "Skipped: bench/fanin.py does not exist yet." in text

@@ -1,0 +1,317 @@
+"""Cache-aware DP dispatch: decisions, hashing equality, the fan-in feed, and the REAL SGLang
+0.5.23 DataParallelController dispatch path (in a child process: it needs the full import)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from array import array
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from sglang_kvpub.dispatch import (
+    REASON_CACHE_HIT,
+    REASON_HOTSPOT,
+    REASON_NO_CANDIDATES,
+    REASON_NO_HIT,
+    REASON_SHORT_PROMPT,
+    CacheAwareDispatcher,
+    InflightLoad,
+    feed_from_fanin,
+    prompt_bytes,
+    prompt_keys,
+)
+from sglang_kvpub.hashing import sequence_keys
+from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+
+TESTS = Path(__file__).resolve().parent
+RANKS = 16
+BLOCK = 128
+
+
+def _tokens(n: int, salt: int = 0) -> list[int]:
+    return [(i * 7919 + salt * 104729) % 150_000 for i in range(n)]
+
+
+def _store(d: CacheAwareDispatcher, rank: int, tokens: list[int], first_hash: int = 1, medium: str = "GPU") -> None:
+    blocks = len(tokens) // d.block_size
+    event = BlockStored(
+        list(range(first_hash, first_hash + blocks)), None, tokens[: blocks * d.block_size], d.block_size
+    )
+    event.medium = medium
+    d.observe(EventBatch(time.time(), [event], rank))
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("typecode", ["q", "i", "l", "I", "list"])
+def test_prompt_keys_equal_the_routers_sequence_keys(typecode: str) -> None:
+    tokens = _tokens(5 * BLOCK + 17)
+    data: Any = tokens if typecode == "list" else array(typecode, tokens)
+    assert prompt_keys(data, BLOCK) == sequence_keys(tokens, BLOCK)
+    assert prompt_keys(data, BLOCK, "adapter-a") == sequence_keys(tokens, BLOCK, "adapter-a")
+    assert prompt_keys(data, BLOCK, max_blocks=2) == sequence_keys(tokens, BLOCK)[:2]
+
+
+@pytest.mark.unit
+def test_prompt_bytes_casts_negative_and_wide_ids_like_the_router() -> None:
+    tokens = [-1, 2**32 + 5, 7, 2**40 + 3]
+    assert prompt_bytes(array("q", tokens)) == array("I", [t & 0xFFFFFFFF for t in tokens]).tobytes()
+    assert prompt_keys(array("q", tokens * 32), 4) == sequence_keys(tokens * 32, 4)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@pytest.mark.unit
+def test_report_scenario_lands_on_the_holding_rank_every_time() -> None:
+    d = CacheAwareDispatcher(RANKS, BLOCK)
+    prefix = _tokens(20 * BLOCK)  # 2560 tokens held by rank 7 only
+    _store(d, 7, prefix)
+    for n in range(50):
+        prompt = array("q", prefix + _tokens(2500, salt=n + 1))
+        loads = [1000.0 + (n * 37 + r * 11) % 200 for r in range(RANKS)]  # small, shifting noise
+        decision = d.choose(prompt, loads)
+        assert decision.rank == 7
+        assert decision.reason == REASON_CACHE_HIT
+        assert decision.matched_tokens == 2560
+        assert decision.npu_blocks == 20
+    assert d.stats()["decisions"][REASON_CACHE_HIT] == 50
+    assert "policy=cache_aware dp_rank=7" in decision.log_line()
+
+
+@pytest.mark.unit
+def test_longest_prefix_wins_and_cpu_blocks_count_disk_not() -> None:
+    d = CacheAwareDispatcher(4, BLOCK)
+    prompt = _tokens(10 * BLOCK)
+    _store(d, 1, prompt[: 4 * BLOCK])
+    _store(d, 2, prompt[: 8 * BLOCK], first_hash=100, medium="CPU_PINNED")
+    _store(d, 3, prompt, first_hash=200, medium="DISK")  # w_disk = 0 (Motor's default)
+    decision = d.choose(prompt, [0.0] * 4)
+    assert (decision.rank, decision.matched_tokens, decision.cpu_blocks) == (2, 8 * BLOCK, 8)
+
+
+@pytest.mark.unit
+def test_load_outweighs_a_small_hit() -> None:
+    d = CacheAwareDispatcher(4, BLOCK)
+    prompt = _tokens(10 * BLOCK)
+    _store(d, 0, prompt[:BLOCK])
+    decision = d.choose(prompt, [5000.0, 0.0, 100.0, 100.0])  # 128 cached tokens vs 5000 of load
+    assert decision.rank == 1
+    assert decision.reason == REASON_NO_HIT
+
+
+@pytest.mark.unit
+def test_hotspot_guard_spills_to_least_loaded_under_skew() -> None:
+    d = CacheAwareDispatcher(RANKS, BLOCK, load_weight=0.05, hotspot_spread=16384, hotspot_relative=1.0)
+    prefix = _tokens(20 * BLOCK)
+    _store(d, 7, prefix)
+    loads = [2000.0] * RANKS
+    loads[2] = 0.0
+    picks = []
+    for step in range(8):
+        loads[7] = step * 6000.0
+        decision = d.choose(prefix + _tokens(100, salt=step + 1), loads)
+        picks.append((decision.rank, decision.reason))
+    # Spread over the least loaded: 0..12000 stays (<= 16384), 18000.. spills to rank 2.
+    assert picks[:3] == [(7, REASON_CACHE_HIT)] * 3
+    assert picks[3:] == [(2, REASON_HOTSPOT)] * 5
+    assert d.stats()["decisions"][REASON_HOTSPOT] == 5
+
+
+@pytest.mark.unit
+def test_relative_guard_and_guard_off() -> None:
+    prefix = _tokens(4 * BLOCK)
+    loads = [100.0, 100.0, 100.0, 1000.0]
+    guarded = CacheAwareDispatcher(4, BLOCK, load_weight=0.0, hotspot_spread=None, hotspot_relative=1.0)
+    free = CacheAwareDispatcher(4, BLOCK, load_weight=0.0, hotspot_spread=None, hotspot_relative=None)
+    for d in (guarded, free):
+        _store(d, 3, prefix)
+    # mean load 325: rank 3's spread 900 > 1.0 * 325 -> spill; without a guard it stays.
+    assert guarded.choose(prefix, loads).reason == REASON_HOTSPOT
+    assert free.choose(prefix, loads).rank == 3
+
+
+@pytest.mark.unit
+def test_short_prompts_and_no_candidates_use_the_default_policy() -> None:
+    d = CacheAwareDispatcher(4, BLOCK)
+    _store(d, 1, _tokens(2 * BLOCK))
+    short = d.choose(_tokens(BLOCK - 1), [0.0] * 4)
+    assert (short.rank, short.reason) == (None, REASON_SHORT_PROMPT)
+    none = d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[])
+    assert (none.rank, none.reason) == (None, REASON_NO_CANDIDATES)
+    assert d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[0, 2]).rank in (0, 2)
+
+
+@pytest.mark.unit
+def test_cold_prompts_spread_over_equally_loaded_ranks() -> None:
+    d = CacheAwareDispatcher(RANKS, BLOCK)
+    ranks = {d.choose(_tokens(3 * BLOCK, salt=n), [0.0] * RANKS).rank for n in range(RANKS)}
+    assert ranks == set(range(RANKS))
+
+
+@pytest.mark.unit
+def test_large_merged_store_is_applied_in_chunks_and_still_chains() -> None:
+    d = CacheAwareDispatcher(2, 16, observe_chunk_blocks=8)
+    prompt = _tokens(100 * 16)
+    applied = []
+    original = d.index.apply_batch
+
+    def spy(instance: str, batch: EventBatch, dp_rank: int | None = None) -> Any:
+        applied.append(sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored)))
+        return original(instance, batch, dp_rank)
+
+    d.index.apply_batch = spy  # type: ignore[method-assign]
+    _store(d, 1, prompt)
+    assert max(applied) <= 8 and sum(applied) == 100
+    assert d.choose(prompt, [0.0, 0.0]).matched_tokens == 100 * 16
+    d.observe(EventBatch(time.time(), [BlockRemoved([50])], 1))  # cut the chain at block 50
+    assert d.choose(prompt, [0.0, 0.0]).matched_tokens == 49 * 16
+    d.observe(EventBatch(time.time(), [AllBlocksCleared()], 1))
+    assert d.choose(prompt, [0.0, 0.0]).reason == REASON_NO_HIT
+
+
+@pytest.mark.unit
+def test_shared_index_is_queried_for_this_instance_only() -> None:
+    index = PrefixIndex(BLOCK)
+    prompt = _tokens(4 * BLOCK)
+    other = EventBatch(time.time(), [BlockStored([1, 2, 3, 4], None, prompt, BLOCK, medium="GPU")], 5)
+    index.apply_batch("other-instance", other)
+    d = CacheAwareDispatcher(8, BLOCK, index=index, instance="me")
+    assert d.choose(prompt, [0.0] * 8).reason == REASON_NO_HIT
+    _store(d, 6, prompt)
+    assert d.choose(prompt, [0.0] * 8).rank == 6
+    with pytest.raises(ValueError):
+        CacheAwareDispatcher(8, 64, index=index)
+
+
+@pytest.mark.unit
+def test_inflight_load_decays() -> None:
+    load = InflightLoad(2, half_life_s=1.0)
+    load.add(1, 1000.0, now=10.0)
+    assert load.values(now=10.0) == [0.0, 1000.0]
+    assert load.values(now=11.0)[1] == pytest.approx(500.0)
+
+
+# --------------------------------------------------------------------------- fan-in feed
+
+
+class _FakeFanIn:
+    """The FanIn surface feed_from_fanin uses (its real ingest is tested in test_fanin.py)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, int]] = []
+
+    def ingest(self, dp_rank: int, rank_epoch: int, rank_seq: int, batch_or_payload: Any) -> None:
+        self.seen.append((dp_rank, rank_epoch, rank_seq))
+
+
+@pytest.mark.unit
+def test_feed_from_fanin_wraps_ingest_decodes_and_clears_on_restart() -> None:
+    fanin = _FakeFanIn()
+    d = CacheAwareDispatcher(4, BLOCK)
+    assert feed_from_fanin(fanin, d) == "ingest_wrapper"
+    prompt = _tokens(3 * BLOCK)
+    payload = msgspec.msgpack.encode(EventBatch(1.0, [BlockStored([1, 2, 3], None, prompt, BLOCK, medium="GPU")], 2))
+    fanin.ingest(2, 111, 0, payload)
+    fanin.ingest(2, 111, 1, b"")  # rank heartbeat
+    fanin.ingest(2, 111, 2, b"\xc1garbage")  # malformed: logged, not raised
+    assert fanin.seen == [(2, 111, 0), (2, 111, 1), (2, 111, 2)]
+    assert d.choose(prompt, [0.0] * 4).rank == 2
+    fanin.ingest(2, 222, 0, b"")  # new rank epoch: the rank's cache is gone
+    assert d.choose(prompt, [0.0] * 4).reason == REASON_NO_HIT
+
+
+@pytest.mark.unit
+def test_feed_prefers_an_observer_api() -> None:
+    observers: list[Any] = []
+
+    class WithObserver(_FakeFanIn):
+        def add_observer(self, fn: Any) -> None:
+            observers.append(fn)
+
+    d = CacheAwareDispatcher(4, BLOCK)
+    assert feed_from_fanin(WithObserver(), d) == "observer"
+    prompt = _tokens(2 * BLOCK)
+    observers[0](3, EventBatch(1.0, [BlockStored([1, 2], None, prompt, BLOCK, medium="GPU")], 3))
+    assert d.choose(prompt, [0.0] * 4).rank == 3
+
+
+# --------------------------------------------------------------------------- real SGLang
+
+
+@pytest.fixture(scope="module")
+def sglang_run() -> dict[str, Any]:
+    sys.path.insert(0, str(TESTS))
+    import sglang_real
+
+    reason = sglang_real._skip_reason(sglang_real.MANAGER_DEPS, "DataParallelController")
+    if reason and os.environ.get("KVPUB_REQUIRE_SGLANG") != "1":
+        pytest.skip(reason)
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "dispatch_sglang_child.py")],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=sglang_real.child_env("full"),
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result: dict[str, Any] = json.loads(lines[-1][len("RESULT ") :])
+    return result
+
+
+METHODS = ("round_robin", "total_requests", "total_tokens")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_real_controller_hooks_are_applied_and_inert_without_a_dispatcher(sglang_run: dict[str, Any]) -> None:
+    assert sglang_run["patched"] is True
+    assert sglang_run["inert"] == [0, 1, 2, 3]  # SGLang's own round robin
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_real_controller_sends_the_hot_prefix_to_rank_7_every_time(sglang_run: dict[str, Any], method: str) -> None:
+    run = sglang_run[method]
+    assert run["hot"] == [7] * 32
+    # BatchTokenizedGenerateReqInput goes through the same hook (one load refresh per batch,
+    # speculative commits in between: a burst of 2 still fits on rank 7)
+    assert run["batch"] == [7, 7]
+    assert run["stats"]["cache_hit"] == 34
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_real_controller_respects_explicit_ranks(sglang_run: dict[str, Any], method: str) -> None:
+    assert sglang_run[method]["explicit"] == [3, 7, 12]
+    assert sglang_run[method]["stats"]["explicit"] == 3
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_real_controller_short_prompts_use_sglang_policy(sglang_run: dict[str, Any]) -> None:
+    assert sglang_run["round_robin"]["short"] == [0, 1, 2, 3]  # the untouched round-robin counter
+    for method in METHODS:
+        assert sglang_run[method]["stats"]["short_prompt"] == 4
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_real_controller_guard_spills_under_skew(sglang_run: dict[str, Any], method: str) -> None:
+    skew = sglang_run[method]["skew"]
+    assert [s["rank"] for s in skew] == [7, 7, 7, 2, 2, 2, 2, 2]
+    assert sglang_run[method]["skew_stats"]["hotspot"] == 5
