@@ -1,6 +1,6 @@
 """Run every benchmark of the project and collect its figures for the README.
 
-    python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir bench/results]
+    python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
 Each bench (wire, fanin, residency, index, service, routing) runs as a subprocess of this
 interpreter from the repository root, with a timeout; a bench script that does not exist yet
@@ -10,7 +10,8 @@ the stderr tail of a failure) and ``bench/results/latest.md`` (one markdown tabl
 with every figure, under the command that produced it) - the table the README shows.
 
 ``--quick`` scales each bench down with the flags it offers (a flag is passed only if the
-bench's ``--help`` lists it), for a smoke run; the README's figures come from a full run.
+bench's ``--help`` lists it), for a smoke run, and writes to ``bench/results/quick/``; the
+README's figures come from a full run.
 """
 
 from __future__ import annotations
@@ -81,19 +82,29 @@ def _help_text(script: Path) -> str:
     return proc.stdout
 
 
-def command_for(bench: Bench, quick: bool) -> list[str] | None:
-    """The command line, or None when the script or one of its input files is missing."""
+def _offers(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+def command_for(bench: Bench, quick: bool, out_dir: Path | None = None) -> list[str] | None:
+    """The command line, or None when the script or one of its input files is missing.
+
+    A bench that writes files of its own (``--out-dir``) writes them next to ``latest.json``,
+    so a quick run never overwrites the full run's plots.
+    """
     script = ROOT / bench.script
     if not script.exists():
         return None
     args = list(bench.args)
     if "--trace" in args and not Path(args[args.index("--trace") + 1]).exists():
         return None
-    if quick and bench.quick:
-        offered = _help_text(script)
+    offered = _help_text(script) if (quick and bench.quick) or out_dir is not None else ""
+    if quick:
         for flag, value in bench.quick:
-            if re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", offered):
+            if _offers(offered, flag):
                 args += [flag] if value is None else [flag, value]
+    if out_dir is not None and _offers(offered, "--out-dir") and out_dir.resolve() != (HERE / "results").resolve():
+        args += ["--out-dir", str(out_dir)]
     return [sys.executable, bench.script, *args]
 
 
@@ -112,8 +123,8 @@ def parse_json_lines(text: str) -> list[dict[str, Any]]:
     return records
 
 
-def run_bench(bench: Bench, quick: bool, timeout_s: float) -> dict[str, Any]:
-    cmd = command_for(bench, quick)
+def run_bench(bench: Bench, quick: bool, timeout_s: float, out_dir: Path | None = None) -> dict[str, Any]:
+    cmd = command_for(bench, quick, out_dir)
     result: dict[str, Any] = {"name": bench.name, "script": bench.script}
     if cmd is None:
         missing = bench.script if not (ROOT / bench.script).exists() else "its input file"
@@ -227,18 +238,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="scaled-down settings (smoke run)")
     parser.add_argument("--only", default="", help="comma-separated bench names (default: all)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per bench (default 900)")
-    parser.add_argument("--out-dir", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--out-dir", type=Path, default=None, help="default bench/results (bench/results/quick with --quick)"
+    )
     args = parser.parse_args(argv)
+    out_dir: Path = args.out_dir or (HERE / "results" / "quick" if args.quick else HERE / "results")
     wanted = {name.strip() for name in args.only.split(",") if name.strip()}
     unknown = wanted - {b.name for b in BENCHES}
     if unknown:
         parser.error(f"unknown bench(es): {', '.join(sorted(unknown))}")
+    out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for bench in BENCHES:
         if wanted and bench.name not in wanted:
             continue
         print(f"run_all: {bench.name} ({bench.script}) ...", file=sys.stderr, flush=True)
-        result = run_bench(bench, args.quick, args.timeout)
+        result = run_bench(bench, args.quick, args.timeout, out_dir)
         print(
             f"run_all: {bench.name}: {result['status']}, {len(result['records'])} record(s)"
             + (f", {result['duration_s']} s" if "duration_s" in result else f" ({result.get('note')})"),
@@ -254,10 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "benches": results,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (args.out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
-    print(f"run_all: wrote {args.out_dir / 'latest.json'} and {args.out_dir / 'latest.md'}", file=sys.stderr)
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
+    print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
     failed = [r["name"] for r in results if r["status"] in ("failed", "timeout")]
     return 1 if failed else 0
 

@@ -127,6 +127,13 @@ def _register_runtime_hooks(registry: Any, hook_type: Any) -> None:
         registry.register(target, hook, getattr(hook_type, kind))
         _runtime_registered.add(target)
     _register_release_hooks(registry)
+    if CONTROLLER_MODULE in sys.modules:
+        from sglang_kvpub.dispatch import install_dispatch_hook
+
+        install_dispatch_hook(registry, hook_type)  # idempotent; inert until attach_dispatcher
+
+
+CONTROLLER_MODULE = "sglang.srt.managers.data_parallel_controller"
 
 
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
@@ -340,7 +347,9 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
     if not is_enabled():
         return original(self, *args, **kwargs)
     server_args = kwargs.get("server_args", args[0] if args else None)
-    fanin = start_controller_fanin(getattr(server_args, "kv_events_config", None), sglang_compat.controller_topology())
+    kv_events_config = getattr(server_args, "kv_events_config", None)
+    topology = sglang_compat.controller_topology()
+    fanin = start_controller_fanin(kv_events_config, topology)
     try:
         result = original(self, *args, **kwargs)
     except BaseException:
@@ -348,6 +357,11 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
             fanin.stop()
         raise
     self.kvpub_fanin = fanin
+    if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch == "cache_aware":
+        from sglang_kvpub.dispatch import attach_dispatcher
+
+        attach_dispatcher(self, block_size=topology.block_size, fanin=fanin)
+        log.info("sglang_kvpub: cache-aware DP dispatch on (requests with a routed_dp_rank keep it)")
     return result
 
 

@@ -3,7 +3,8 @@
 One per scheduler rank process, a drop-in for SGLang's publisher interface
 (``publish(batch)``, ``shutdown()``).  ``publish`` never blocks and does no I/O: it
 stamps the batch with the next rank sequence number and appends it to a bounded queue
-(a deque plus an event; a few hundred nanoseconds).  A daemon thread converts foreign
+(a deque under a lock; a few hundred nanoseconds) and wakes the worker only if it sleeps
+(one C-level ``SimpleQueue`` token, no Python condition variable).  A daemon thread converts foreign
 batches (SGLang's own ``KVEventBatch`` structs) to :class:`wire.EventBatch`, enriches
 (dp_rank, medium, block_size, hash form), encodes and PUSHes with ``NOBLOCK``.
 
@@ -23,6 +24,7 @@ import logging
 import secrets
 import threading
 import time
+from queue import Empty, SimpleQueue
 from typing import Any
 
 import msgspec
@@ -57,9 +59,10 @@ class RankPublisher:
         self._queue: collections.deque[_Item] = collections.deque()
         self._limit = config.rank_queue_size
         self._drop_oldest = config.full_policy == "drop_oldest"
-        self._wake = threading.Event()
+        self._wake: SimpleQueue[None] = SimpleQueue()
+        self._idle = False  # the worker waits for a token: the next publish() sends one
         self._stopping = False
-        self._lock = threading.Lock()  # only publish() callers contend; the worker never takes it
+        self._lock = threading.Lock()  # publish() callers; the worker only before it sleeps
         self._next_seq = 0
         self._published = 0
         self._queue_dropped = 0
@@ -82,14 +85,17 @@ class RankPublisher:
             self._next_seq += 1
             self._published += 1
             queue = self._queue
+            wake, self._idle = self._idle, False
             if len(queue) >= self._limit:
                 self._queue_dropped += 1
                 if not self._drop_oldest:
-                    self._wake.set()
+                    if wake:
+                        self._wake.put(None)
                     return
                 queue.popleft()
             queue.append((seq, batch))
-        self._wake.set()
+        if wake:
+            self._wake.put(None)
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Flush what is queued (bounded by ``timeout_s``), then close the socket."""
@@ -97,7 +103,7 @@ class RankPublisher:
             if self._stopping:
                 return
             self._stopping = True
-        self._wake.set()
+        self._wake.put(None)
         self._thread.join(timeout_s)
         self._pusher.close(linger_ms=int(timeout_s * 1000))
 
@@ -121,8 +127,6 @@ class RankPublisher:
         heartbeat = self.config.heartbeat_s
         next_beat = time.monotonic() + heartbeat
         while True:
-            self._wake.wait(timeout=max(0.0, next_beat - time.monotonic()))
-            self._wake.clear()
             sent_any = self._drain()
             now = time.monotonic()
             if sent_any:
@@ -130,8 +134,16 @@ class RankPublisher:
             elif now >= next_beat:
                 self._beat()
                 next_beat = now + heartbeat
-            if self._stopping and not self._queue:
-                return
+            with self._lock:
+                if self._queue:  # published while we drained
+                    continue
+                if self._stopping:
+                    return
+                self._idle = True
+            try:
+                self._wake.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except Empty:
+                pass
 
     def _drain(self) -> bool:
         sent_any = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench import run_all
@@ -45,3 +47,11 @@ def test_markdown_shows_the_command_above_each_table() -> None:
     text = run_all.markdown(report)
     assert "`python bench/wire.py` (ok, 1.0 s)" in text and "| decode_ratio |" in text and "| 0.9 |" in text
     assert "Skipped: bench/fanin.py does not exist yet." in text
+
+
+def test_files_a_bench_writes_follow_the_out_dir(tmp_path: Path) -> None:
+    routing = next(b for b in run_all.BENCHES if b.name == "routing")
+    cmd = run_all.command_for(routing, quick=False, out_dir=tmp_path)
+    assert cmd is not None and cmd[cmd.index("--out-dir") + 1] == str(tmp_path)
+    default = run_all.command_for(routing, quick=False, out_dir=run_all.HERE / "results")
+    assert default is not None and "--out-dir" not in default

@@ -9,7 +9,6 @@ ranges, so what each rank holds is the fold of those batches (``faults_procs.tru
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import threading
 import time
@@ -181,7 +180,6 @@ def test_kill9_rank_publisher_then_restart(make_instance: Callable[..., Instance
         for rank in range(3):
             inst.publish(rank, 0, 40)
         wait_equal(sub, index, inst.truth(), "before the fault")
-        stale_rank1 = resident(index, 3)[(1, wire.MEDIUM_GPU)]
 
         inst.kill_rank(1)
         for rank in (0, 2):
@@ -192,10 +190,8 @@ def test_kill9_rank_publisher_then_restart(make_instance: Callable[..., Instance
         while 1 not in inst.fanin_stats()["dead"]:
             assert time.monotonic() < deadline, "rank 1 never reported dead"
             time.sleep(0.1)
-        expected = inst.truth()
-        expected[(1, wire.MEDIUM_GPU)] = stale_rank1
-        expected[(1, wire.MEDIUM_CPU)] = truth({1: [(0, 40)]})[(1, wire.MEDIUM_CPU)]
-        wait_equal(sub, index, expected, "while rank 1 is dead")
+        # inst.truth() still folds rank 1's batches 0..39: what the index keeps while it is dead.
+        wait_equal(sub, index, inst.truth(), "while rank 1 is dead")
 
         inst.start_rank(1)  # a new process: new rank epoch, empty cache
         inst.publish(1, 0, 8)
@@ -220,10 +216,13 @@ def test_kill9_fanin_ranks_keep_running(make_instance: Callable[..., Instance], 
         before = sub.health()
         inst.kill_fanin()
         inst.start_fanin()  # same endpoints, new epoch; the ranks never noticed
+
+        def joined() -> bool:
+            ranks = inst.fanin_stats()["ranks"]
+            return len(ranks) == 2 and all(state["late_join"] for state in ranks.values())
+
         deadline = time.monotonic() + RECOVERY_S
-        while not all(s["late_join"] for s in inst.fanin_stats()["ranks"].values()) or len(
-            inst.fanin_stats()["ranks"]
-        ) < 2:
+        while not joined():
             assert time.monotonic() < deadline, "the ranks never reached the new fan-in"
             time.sleep(0.1)
         for rank in range(2):
@@ -428,13 +427,10 @@ def test_instance_stream_survives_a_storm_of_replay_requests(zctx: zmq.Context[A
         stop.set()
         wait_equal(sub, index, truth({0: [(0, 600)]}), "live stream during the storm")
         stats = fanin.stats()
-        assert stats["jobs"] <= 64 and stats["replays_rejected"] >= 1
+        assert stats["jobs"] <= 64  # bounded; requests over the bound get an empty reply, counted
+        assert stats["snapshots_served"] + stats["replays_rejected"] >= 81
     finally:
         for dealer in dealers:
             dealer.close(linger=0)
         sub.stop()
         fanin.stop()
-
-
-def _unused(_: Any) -> None:  # keep queue imported for type checkers of helpers
-    del queue
