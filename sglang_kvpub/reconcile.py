@@ -1,24 +1,44 @@
 """Drift check and time-boxed reconciliation of the announced state against the real tree.
 
-The check is O(1): blocks announced on GPU (the release-hook tracker's set) against the
-tree's own device counters (``evictable + protected`` Full tokens / page size).  When
-they differ, :class:`Reconciler` walks the tree in slices of at most ``budget_s`` of
-scheduler time (called while the scheduler is idle), collecting the hashes truly
-resident per medium.  Hashes changed by events while the walk runs are left alone (the
-events already describe them).  At the end it emits corrective ``BlockRemoved`` /
-``BlockStored`` events into SGLang's own queue, counted per cause on the tracker.
+The check is O(1): blocks announced on GPU (the release-hook tracker) against the tree's
+own device counters (``evictable + protected`` Full tokens / page size).  When they
+differ, :class:`Reconciler` repairs the announced state in slices of at most
+``budget_s`` of scheduler time (called while the scheduler is idle).
+
+No slice does O(n) work and the walk builds no container proportional to the tree
+(a dict or set resize, copy or free of a million entries alone costs milliseconds, and
+many new container objects drive Python's cyclic GC):
+
+1. *Walk*: a DFS over the tree, a few pages at a time (a cursor inside the current
+   node).  Every resident page's hash still announced gets the walk's *epoch* written
+   into the tracker's announced dict (a value update: no resize, no allocation);
+   resident pages never announced put their node on a short "missing" list.
+   Stores absorbed during the walk carry the epoch too, removals delete the entry.
+2. *Scan*: announced entries whose mark is not the epoch were announced before the
+   walk, not removed since, and not found resident: stale.  The dict is iterated in
+   place across slices; when events resized it between slices the iteration restarts
+   and skips, in chunks, the entries certainly checked already.
+3. *Emit*: stale hashes as ``BlockRemoved``, missing nodes as single-block
+   ``BlockStored`` (token ids, parent), in chunks, each re-checked first.
+   Corrections are counted per cause on the tracker.
 """
 
 from __future__ import annotations
 
+import collections
+import itertools
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sglang_kvpub.release_hooks import (
     Tracker,
+    _event_classes,
+    _sglang_medium,
     emit_removed,
     emit_stored,
+    node_block_hashes,
     node_resident,
     tracker_of,
     tree_of,
@@ -28,7 +48,14 @@ from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 __all__ = ["device_pages", "drift", "Reconciler", "IDLE_TARGET", "install_reconcile_hook", "reconcile_on_idle"]
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-_CHECK_EVERY = 1  # nodes between clock reads (a node is at most a few hundred pages)
+_PAGES_PER_CHECK = 32  # pages hashed between clock reads (~2 us each)
+_SCAN_PER_CHECK = 1024  # announced entries examined between clock reads
+_SKIP_PER_CHECK = 1 << 16  # entries skipped (C speed) between clock reads
+_EMIT_PER_CHECK = 512  # stale hashes emitted between clock reads
+_MARGIN = 0.85  # stop at this fraction of the budget: one unit of work may follow the check
+_MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
+
+_IDLE, _WALK, _SCAN, _EMIT = "idle", "walk", "scan", "emit"
 
 
 def device_pages(tree: Any) -> int:
@@ -50,25 +77,74 @@ def drift(tree: Any) -> int:
     return tracker.announced_count(MEDIUM_GPU) - device_pages(tree)
 
 
+class _PageHasher:
+    """Event hashes of a node's pages [start, stop), with SGLang's own helper functions.
+
+    Falls back to the whole node at once (``record_remove`` into a scratch queue) when
+    this SGLang lacks the helpers.
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        module = _event_classes(recorder)
+        self.recorder = recorder
+        self.to_int = getattr(module, "hash_str_to_int64", None)
+        self.namespaced = getattr(module, "namespaced_block_hash", None)
+        self.fast = (
+            self.to_int is not None
+            and self.namespaced is not None
+            and hasattr(recorder, "_node_event_hash_values")
+            and hasattr(recorder, "_namespace_seed")
+        )
+
+    def pages(self, node: Any) -> int:
+        page = int(self.recorder.page_size)
+        return (len(node.key) + page - 1) // page
+
+    def open(self, node: Any) -> tuple[Any, Any]:
+        """Per-node context: (hash strings, namespace seed) or (hashes, None) on fallback."""
+        if self.fast:
+            return self.recorder._node_event_hash_values(node), self.recorder._namespace_seed(node)
+        return node_block_hashes(self.recorder, node), _FALLBACK
+
+    def hash_at(self, context: tuple[Any, Any], index: int) -> int:
+        values, seed = context
+        if seed is _FALLBACK:
+            return int(values[index])
+        assert self.to_int is not None and self.namespaced is not None
+        return int(self.namespaced(self.to_int(values[index]), namespace_seed=seed))
+
+
+_FALLBACK: Any = object()
+
+
 class Reconciler:
-    """Bounded-slice walk of one tree; ``step()`` once per idle scheduler iteration."""
+    """Bounded-slice repair of one tree; ``step()`` once per idle scheduler iteration."""
 
     def __init__(self, tree: Any, budget_s: float = 0.001, clock: Callable[[], float] = time.perf_counter) -> None:
         self.tree = tree_of(tree)
         self.budget_s = budget_s
         self.clock = clock
-        self._stack: list[Any] | None = None
-        self._visited: set[int] = set()
-        self._truth: dict[str, dict[int, Any]] = {}
-        # Stale phase: announced hashes checked so far (iterated in slices).
-        self._stale: dict[str, list[int]] = {}
-        self._missing: dict[str, dict[int, Any]] = {}
-        # Big per-walk containers are emptied in later slices: freeing 1M entries at once
-        # would cost milliseconds in one step.
-        self._garbage: list[Any] = []
-        self._checked: set[int] = set()
-        self._media_left: list[str] = []
-        self._iter: Any = None
+        self.phase = _IDLE
+        self.epoch = 0
+        # Walk: DFS stack of nodes and, in parallel, the parent each was pushed under
+        # (a split since then put a new node between them: visit it too).
+        self._stack: list[Any] = []
+        self._parents: list[Any] = []
+        self._node: Any = None
+        self._media: tuple[str, ...] = ()
+        self._context: Any = None
+        self._page = 0
+        self._pages = 0
+        # Deques: pre-order (parents first) kept, freed block by block as they drain.
+        self._hasher: _PageHasher | None = None
+        self._missing: dict[str, collections.deque[Any]] = {m: collections.deque() for m in _MEDIA}
+        # Scan / emit.
+        self._medium_index = 0
+        self._iter: Iterator[tuple[int, int]] | None = None
+        self._consumed = 0
+        self._skip = 0
+        self._removals_base = 0
+        self._stale: dict[str, collections.deque[int]] = {m: collections.deque() for m in _MEDIA}
         self.walks = 0
         self.slices = 0
         self.max_slice_s = 0.0
@@ -79,199 +155,248 @@ class Reconciler:
 
     @property
     def walking(self) -> bool:
-        return self._stack is not None
+        return self.phase != _IDLE
+
+    def run(self) -> None:
+        """A whole repair at once, still in slices (tests, bench)."""
+        self.step(force=True)
+        while self.walking:
+            self.step()
 
     def step(self, force: bool = False) -> bool:
-        """One slice; returns True when a walk finished in this slice."""
+        """One slice; returns True when a repair finished in this slice."""
         recorder = self.tree.kv_events
         if not recorder.enabled:
             return False
         start = self.clock()
+        deadline = start + self.budget_s * _MARGIN
         try:
-            if self._garbage and not self._drain_garbage(start):
-                return False
-            if self._stack is None:
+            if self.phase == _IDLE:
                 if not force and drift(self.tree) == 0:
                     return False
                 self._begin()
-            return self._advance(start)
+            if self.phase == _WALK and not self._walk(deadline):
+                return False
+            if self.phase == _SCAN and not self._scan(deadline):
+                return False
+            if self.phase == _EMIT and not self._emit(deadline):
+                return False
+            self.phase = _IDLE
+            self.walks += 1
+            return True
         finally:
             self.slices += 1
             self.max_slice_s = max(self.max_slice_s, self.clock() - start)
 
-    def _drain_garbage(self, start: float) -> bool:
-        while self._garbage:
-            container = self._garbage[-1]
-            pop = container.popitem if isinstance(container, dict) else container.pop
-            for _ in range(min(len(container), 4096)):
-                pop()
-            if not container:
-                self._garbage.pop()
-            if self.clock() - start >= self.budget_s:
-                return not self._garbage
-        return True
-
-    def run(self) -> None:
-        """A whole walk at once (tests, bench)."""
-        self.step(force=True)
-        while self._stack is not None:
-            self.step()
+    # ------------------------------------------------------------------ walk
 
     def _begin(self) -> None:
-        root = self.tree.root_node
-        self._stack = list(root.children.values())
-        self._visited = {id(root)}
-        self._truth = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
-        self.tracker.dirty = set()
-
-    def _advance(self, start: float) -> bool:
-        stack = self._stack
-        assert stack is not None
-        count = 0
-        while stack:
-            self._visit(stack.pop(), stack)
-            count += 1
-            if count % _CHECK_EVERY == 0 and self.clock() - start >= self.budget_s:
-                return False
-        if not self._scan_stale(start):
-            return False
-        self._finish()
-        return True
-
-    def _scan_stale(self, start: float) -> bool:
-        """Announced-but-not-resident hashes, in slices; True when every medium is done.
-
-        Iterates the live announced set; if events changed it between slices the
-        iteration restarts, skipping what was already checked (rare: only idle slices run).
-        """
-        if not self._media_left and self._iter is None and not self._stale:
-            self._media_left = list(self._truth)
         tracker = self.tracker
         tracker.absorb(self.tree.kv_events._queue)
-        while self._media_left:
-            medium = self._media_left[0]
-            announced = tracker.announced.get(medium, set())
-            truth = self._truth[medium]
-            stale = self._stale.setdefault(medium, [])
-            if self._iter is None:
-                self._iter = iter(announced)
-            count = 0
-            try:
-                for block_hash in self._iter:
-                    if block_hash not in truth and block_hash not in self._checked:
-                        stale.append(block_hash)
-                    self._checked.add(block_hash)
-                    count += 1
-                    if count % 256 == 0 and self.clock() - start >= self.budget_s:
-                        return False
-            except RuntimeError:  # announced changed since the last slice
+        tracker.epoch += 1
+        self.epoch = tracker.epoch
+        root = self.tree.root_node
+        self._stack.extend(root.children.values())
+        self._parents.extend(itertools.repeat(root, len(self._stack)))
+        self._hasher = _PageHasher(self.tree.kv_events)
+        self._node = None
+        self.phase = _WALK
+
+    def _walk(self, deadline: float) -> bool:
+        clock = self.clock
+        while True:
+            if self._node is not None:
+                self._mark_pages()
+            elif self._stack:
+                self._open_next()
+            else:
+                self.phase = _SCAN
+                self._medium_index = 0
                 self._iter = None
-                continue
-            self._iter = None
-            self._checked = set()
-            self._media_left.pop(0)
-        return True
+                return True
+            if clock() >= deadline:
+                return False
 
-    def _visit(self, node: Any, stack: list[Any]) -> None:
-        # A split may have inserted ancestors since the parent was visited: take them too.
+    def _open_next(self) -> None:
+        node = self._stack.pop()
+        expected = self._parents.pop()
         parent = node.parent
-        while parent is not None and id(parent) not in self._visited:
-            self._record(parent)
-            parent = parent.parent
-        if id(node) not in self._visited:
-            self._record(node)
-        stack.extend(node.children.values())
-
-    def _record(self, node: Any) -> None:
-        self._visited.add(id(node))
+        if parent is not expected and parent is not None and _is_child(self.tree, parent, node):
+            # A split since the push put ``parent`` between them: visit it (and so its
+            # children, this node among them) instead.
+            self._stack.append(parent)
+            self._parents.append(expected)
+            return
+        if not _is_child(self.tree, parent, node):
+            return  # detached since the push (evicted): nothing resident below
+        self._stack.extend(node.children.values())
+        self._parents.extend(itertools.repeat(node, len(node.children)))
         if node.key is None or len(node.key) == 0:
             return
         device, host = node_resident(node)
-        if not (device or host):
-            return
-        from sglang_kvpub.release_hooks import node_block_hashes
+        media = tuple(m for m, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)) if resident)
+        if media:
+            self._node = node
+            self._media = media
+            self._context = None
+            self._page = 0
+            self._pages = self._hasher.pages(node)
 
-        hashes = node_block_hashes(self.tree.kv_events, node)
-        for medium, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)):
-            if resident:
-                truth = self._truth[medium]
-                announced = self.tracker.announced.get(medium, ())
-                missing = self._missing.setdefault(medium, {})
-                for block_hash in hashes:
-                    truth[block_hash] = node
-                    if block_hash not in announced:
-                        missing[block_hash] = node
+    def _mark_pages(self) -> None:
+        """Mark one chunk of the current node's pages."""
+        node = self._node
+        hasher = self._hasher
+        assert hasher is not None
+        if self._context is None:
+            self._context = hasher.open(node)
+        announced = self.tracker.announced
+        epoch = self.epoch
+        stop = min(self._page + _PAGES_PER_CHECK, self._pages)
+        for index in range(self._page, stop):
+            block_hash = hasher.hash_at(self._context, index)
+            for medium in self._media:
+                marks = announced[medium]
+                mark = marks.get(block_hash)
+                if mark is None:
+                    missing = self._missing[medium]
+                    if not missing or missing[-1] is not node:
+                        missing.append(node)
+                elif mark != epoch:
+                    marks[block_hash] = epoch
+        self._page = stop
+        if stop >= self._pages:
+            self._node = None
+            self._context = None
 
-    def _finish(self) -> None:
+    # ------------------------------------------------------------------ scan
+
+    def _scan(self, deadline: float) -> bool:
+        tracker = self.tracker
+        tracker.absorb(self.tree.kv_events._queue)
+        epoch = self.epoch
+        while self._medium_index < len(_MEDIA):
+            medium = _MEDIA[self._medium_index]
+            marks = tracker.announced[medium]
+            stale = self._stale[medium]
+            if self._iter is None:
+                self._iter = iter(marks.items())
+                self._consumed = 0
+                self._removals_base = tracker.removals
+            try:
+                if self._skip and not self._skip_checked(deadline):
+                    return False
+                while True:
+                    chunk = 0
+                    for block_hash, mark in self._iter:
+                        if mark != epoch:
+                            stale.append(block_hash)
+                        chunk += 1
+                        if chunk == _SCAN_PER_CHECK:
+                            break
+                    self._consumed += chunk
+                    if chunk < _SCAN_PER_CHECK:
+                        break
+                    if self.clock() >= deadline:
+                        return False
+            except RuntimeError:  # resized by events since the last slice: restart, skip the checked
+                self._restart(tracker)
+                continue
+            self._iter = None
+            self._medium_index += 1
+        self.phase = _EMIT
+        self._medium_index = 0
+        return True
+
+    def _restart(self, tracker: Tracker) -> None:
+        # The first (consumed - removals since) entries are all checked: dicts keep order,
+        # removals only close gaps and insertions append.
+        removed = tracker.removals - self._removals_base
+        self._skip = max(0, self._consumed - removed)
+        self._iter = None
+
+    def _skip_checked(self, deadline: float) -> bool:
+        tracker = self.tracker
+        marks = tracker.announced[_MEDIA[self._medium_index]]
+        if self._iter is None:
+            self._iter = iter(marks.items())
+            self._consumed = 0
+            self._removals_base = tracker.removals
+        while self._skip:
+            count = min(self._skip, _SKIP_PER_CHECK)
+            next(itertools.islice(self._iter, count - 1, count), None)
+            self._skip -= count
+            self._consumed += count
+            if self._skip and self.clock() >= deadline:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ emit
+
+    def _emit(self, deadline: float) -> bool:
         tracker = self.tracker
         recorder = self.tree.kv_events
-        tracker.absorb(recorder._queue)
-        dirty = tracker.dirty or set()
-        for medium in self._truth:
-            announced = tracker.announced.get(medium, set())
-            stale = [h for h in self._stale.get(medium, ()) if h in announced and h not in dirty]
+        epoch = self.epoch
+        for medium in _MEDIA:
             suffix = "gpu" if medium == MEDIUM_GPU else "cpu"
-            emit_removed(recorder, tracker, stale, medium, f"reconcile_stale_{suffix}")
-            candidates = self._missing.get(medium, {})
-            missing = {h: n for h, n in candidates.items() if h not in announced and h not in dirty}
-            emit_stored(recorder, tracker, _stores_for(recorder, missing, medium), f"reconcile_missing_{suffix}")
-        tracker.dirty = None
-        self._stack = None
-        self._garbage.extend([self._visited, *self._truth.values()])
-        self._visited = set()
-        self._truth = {}
-        self._stale = {}
-        self._missing = {}
-        self.walks += 1
+            marks = tracker.announced[medium]
+            stale = self._stale[medium]
+            while stale:
+                chunk = [stale.popleft() for _ in range(min(len(stale), _EMIT_PER_CHECK))]
+                still = [h for h in chunk if marks.get(h, epoch) != epoch]
+                emit_removed(recorder, tracker, still, medium, f"reconcile_stale_{suffix}")
+                if self.clock() >= deadline:
+                    return False
+            missing = self._missing[medium]
+            while missing:
+                node = missing.popleft()
+                emit_stored(recorder, tracker, self._stores(node, medium), f"reconcile_missing_{suffix}")
+                if self.clock() >= deadline:
+                    return False
+        return True
+
+    def _stores(self, node: Any, medium: str) -> list[Any]:
+        """Single-block ``BlockStored`` (SGLang's struct) for the node's unannounced pages."""
+        if not _is_child(self.tree, node.parent, node):
+            return []
+        device, host = node_resident(node)
+        if not (device if medium == MEDIUM_GPU else host):
+            return []
+        return _stores_for(self.tree.kv_events, node, self.tracker.announced[medium], medium)
 
 
-def _stores_for(recorder: Any, missing: dict[int, Any], medium: str) -> list[Any]:
-    """Single-block ``BlockStored`` events (SGLang's struct) for the missing hashes, parents first."""
-    if not missing:
-        return []
+def _is_child(tree: Any, parent: Any, node: Any) -> bool:
+    """One-level attachment check (O(1)): ``node`` is still ``parent``'s child."""
+    if parent is None or node.key is None or len(node.key) == 0:
+        return False
+    try:
+        return parent.children.get(node.key.child_key(tree.page_size)) is node
+    except (IndexError, ValueError, AttributeError):
+        return any(child is node for child in parent.children.values())
+
+
+def _stores_for(recorder: Any, node: Any, announced: dict[int, int], medium: str) -> list[Any]:
     import msgspec
 
-    from sglang_kvpub.release_hooks import _event_classes, _sglang_medium
-
     module = _event_classes(recorder)
+    saved = recorder._queue
+    recorder._queue = []
+    try:
+        recorder.record_store(node, medium=_sglang_medium(module, medium))
+        scratch = recorder._queue
+    finally:
+        recorder._queue = saved
     out: list[Any] = []
-    done: set[int] = set()
-    for node in _nodes_root_first(missing.values()):
-        if id(node) in done:
-            continue
-        done.add(id(node))
-        saved = recorder._queue
-        recorder._queue = []
-        try:
-            recorder.record_store(node, medium=_sglang_medium(module, medium))
-            scratch = recorder._queue
-        finally:
-            recorder._queue = saved
-        for event in scratch:
-            parent = event.parent_block_hash
-            size = event.block_size
-            for index, block_hash in enumerate(event.block_hashes):
-                if block_hash in missing:
-                    tokens = list(event.token_ids[index * size : (index + 1) * size])
-                    out.append(
-                        msgspec.structs.replace(
-                            event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens
-                        )
-                    )
-                parent = block_hash
+    for event in scratch:
+        parent = event.parent_block_hash
+        size = event.block_size
+        for index, block_hash in enumerate(event.block_hashes):
+            if block_hash not in announced:
+                tokens = list(event.token_ids[index * size : (index + 1) * size])
+                out.append(
+                    msgspec.structs.replace(event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens)
+                )
+            parent = block_hash
     return out
-
-
-def _nodes_root_first(nodes: Any) -> list[Any]:
-    def depth(node: Any) -> int:
-        d = 0
-        while node.parent is not None:
-            d += 1
-            node = node.parent
-        return d
-
-    unique = {id(n): n for n in nodes}
-    return sorted(unique.values(), key=depth)
 
 
 # --------------------------------------------------------------------------- idle hook
@@ -300,7 +425,5 @@ def _idle_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
 
 def install_reconcile_hook(registry: Any) -> None:
     """AFTER hook on ``Scheduler.on_idle`` (corrections are published at the next flush)."""
-    import sys
-
     hook_type = sys.modules[registry.__module__].HookType
     registry.register(IDLE_TARGET, _idle_hook, hook_type.AFTER)

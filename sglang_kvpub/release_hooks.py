@@ -93,18 +93,22 @@ class Tracker:
         "announced",
         "corrections",
         "depth",
-        "dirty",
+        "epoch",
         "lock",
         "pending",
         "plugin_removed",
         "pos_event",
         "pos_hash",
         "queue_ref",
+        "removals",
         "tree",
     )
 
     def __init__(self) -> None:
-        self.announced: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+        # medium -> {hash: mark}.  The mark is the reconciliation epoch at which the hash
+        # was last stored or seen resident (reconcile.py); a dict so marking is a value
+        # update, never a resize or a new container.
+        self.announced: dict[str, dict[int, int]] = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
         # Hashes the plugin removed that SGLang may still remove itself (dedupe).
         self.plugin_removed: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
         self.queue_ref: list[Any] | None = None
@@ -116,8 +120,9 @@ class Tracker:
         # cause -> blocks: release_gpu/release_cpu (hooks), deduped, unknown_removal,
         # reconcile_* (reconcile.py).
         self.corrections: collections.Counter[str] = collections.Counter()
-        # Hashes changed by events while a reconciliation walk runs (None: no walk).
-        self.dirty: set[int] | None = None
+        self.epoch = 0
+        # Hashes ever removed from ``announced`` (reconcile.py resumes its scan with it).
+        self.removals = 0
         self.lock = threading.RLock()
 
     def announced_count(self, medium: str = MEDIUM_GPU) -> int:
@@ -152,21 +157,21 @@ class Tracker:
         """Apply one event from hash ``start``; True when it is now empty and must go."""
         kind = type(event).__name__
         if kind == "AllBlocksCleared":
-            for media in (self.announced, self.plugin_removed):
-                for blocks in media.values():
-                    blocks.clear()
+            for marks in self.announced.values():
+                self.removals += len(marks)
+                marks.clear()
+            for blocks in self.plugin_removed.values():
+                blocks.clear()
             return False
         hashes = getattr(event, "block_hashes", None)
         if hashes is None or start >= len(hashes):
             return False
         medium = medium_of(getattr(event, "medium", None))
         fresh = hashes[start:] if start else hashes
-        if self.dirty is not None:
-            self.dirty.update(fresh)
-        announced = self.announced.setdefault(medium, set())
+        announced = self.announced.setdefault(medium, {})
         removed = self.plugin_removed.setdefault(medium, set())
         if kind == "BlockStored":
-            announced.update(fresh)
+            announced.update(dict.fromkeys(fresh, self.epoch))
             if removed:
                 removed.difference_update(fresh)
             return False
@@ -180,11 +185,14 @@ class Tracker:
             fresh = hashes[start:]
             if not hashes:
                 return True
+        pop = announced.pop
+        unknown = 0
         for block_hash in fresh:
-            if block_hash in announced:
-                announced.discard(block_hash)
-            else:
-                self.corrections["unknown_removal"] += 1
+            if pop(block_hash, None) is None:
+                unknown += 1
+        self.removals += len(fresh) - unknown
+        if unknown:
+            self.corrections["unknown_removal"] += unknown
         return False
 
     def skip_to_end(self, queue: list[Any]) -> None:
@@ -263,10 +271,11 @@ def emit_removed(recorder: Any, tracker: Tracker, hashes: list[int], medium: str
     event = module.BlockRemoved(block_hashes=list(hashes), medium=_sglang_medium(module, medium))
     KVCacheEventRecorderEnqueue(recorder, event)
     tracker.skip_to_end(recorder._queue)
-    tracker.announced.setdefault(medium, set()).difference_update(hashes)
+    announced = tracker.announced.setdefault(medium, {})
+    for block_hash in hashes:
+        if announced.pop(block_hash, None) is not None:
+            tracker.removals += 1
     tracker.plugin_removed.setdefault(medium, set()).update(hashes)
-    if tracker.dirty is not None:
-        tracker.dirty.update(hashes)
     tracker.corrections[cause] += len(hashes)
 
 
@@ -278,7 +287,7 @@ def emit_stored(recorder: Any, tracker: Tracker, events: list[Any], cause: str) 
     for event in events:
         KVCacheEventRecorderEnqueue(recorder, event)
         medium = medium_of(event.medium)
-        tracker.announced.setdefault(medium, set()).update(event.block_hashes)
+        tracker.announced.setdefault(medium, {}).update(dict.fromkeys(event.block_hashes, tracker.epoch))
         tracker.plugin_removed.setdefault(medium, set()).difference_update(event.block_hashes)
         tracker.corrections[cause] += len(event.block_hashes)
     tracker.skip_to_end(recorder._queue)

@@ -169,6 +169,12 @@ def wait_equal(sub: StreamSubscriber, index: PrefixIndex, want: Truth, what: str
     return sub.health()
 
 
+def rank_batch(rank: int, index: int) -> wire.EventBatch:
+    """Batch ``index`` of ``rank`` as a rank publisher enriches it (block_size set)."""
+    batch = wire.EventBatch(ts=time.time(), events=batch_events(rank, index))
+    return wire.enrich_batch(batch, dp_rank=rank, block_size=BLOCK_SIZE)
+
+
 # ----------------------------------------------------------------------------- scenarios
 
 
@@ -343,7 +349,7 @@ def test_slow_subscriber_overflows_pub_hwm_and_recovers(zctx: zmq.Context[Any]) 
         count = 1500
         for i in range(count):
             for rank in range(2):
-                fanin.ingest(rank, 1, i, wire.EventBatch(ts=time.time(), events=batch_events(rank, i)))
+                fanin.ingest(rank, 1, i, rank_batch(rank, i))
         health = wait_equal(sub, index, truth({r: [(0, count)] for r in range(2)}), "after the overflow")
         assert health.gaps >= 1  # the PUB dropped for this subscriber...
         assert health.replays + health.snapshots - 1 >= 1  # ...and every gap was refilled
@@ -401,7 +407,7 @@ def test_instance_stream_survives_a_storm_of_replay_requests(zctx: zmq.Context[A
     fanin = FanIn(config, 1, listen_channel=False)
     fanin.start()
     for i in range(200):
-        fanin.ingest(0, 1, i, wire.EventBatch(ts=time.time(), events=batch_events(0, i)))
+        fanin.ingest(0, 1, i, rank_batch(0, i))
     index = PrefixIndex(BLOCK_SIZE)
     sub = subscribe(zctx, config, index)
     dealers = []
@@ -417,7 +423,7 @@ def test_instance_stream_survives_a_storm_of_replay_requests(zctx: zmq.Context[A
         def produce() -> None:
             i = 200
             while not stop.is_set() and i < 600:
-                fanin.ingest(0, 1, i, wire.EventBatch(ts=time.time(), events=batch_events(0, i)))
+                fanin.ingest(0, 1, i, rank_batch(0, i))
                 i += 1
                 time.sleep(0.001)  # pacing a producer
 
