@@ -6,8 +6,8 @@ What runs (docs/demo.md explains every line of the output):
   plugin's real FanIn serving ONE instance stream (PUB + replay) on free loopback ports;
 - the router side: ``motor-kv-adapter serve`` (the kv-conductor-compatible HTTP service) in a
   subprocess, each instance registered through ``POST /register`` exactly as Motor registers an
-  SGLang prefill instance's single endpoint (dp_rank 0, ``fanned_in``); ``--adapter inprocess``
-  (or a machine without aiohttp) runs the same service state in this process instead;
+  SGLang prefill instance's single endpoint (dp_rank 0, ``fanned_in``) - the demo talks to it
+  over HTTP only, so ``sglang_kvpub`` never imports ``motor_adapter``;
 - "Motor": for every request, ``POST /query`` (the ``conductor query response`` line) and
   ``POST /select`` (the ``scheduled role=prefill ...`` line); the request then goes to the chosen
   instance, whose DP controller honours the pinned ``routed_dp_rank`` or dispatches round-robin.
@@ -71,12 +71,6 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--prompt-tokens", type=_positive, default=5000, help="length of the repeated prompt")
     parser.add_argument("--page-size", type=_positive, default=128, help="tokens per page (SGLang --page-size)")
     parser.add_argument("--hbm-pages", type=_positive, default=1024, help="HBM capacity per rank, in pages")
-    parser.add_argument(
-        "--adapter",
-        choices=("auto", "http", "inprocess"),
-        default="auto",
-        help="http: motor-kv-adapter serve subprocess; inprocess: its state in this process (default auto: http)",
-    )
     parser.add_argument(
         "--engine",
         choices=("builtin", "sglang"),
@@ -252,58 +246,13 @@ class HttpAdapter:
         self._log.close()
 
 
-class InProcessAdapter:
-    """The adapter service's state (same registration parsing, index, fold and decision) in this process.
-
-    The one place where ``sglang_kvpub`` reaches ``motor_adapter``: lazily, for the demo only.
-    """
-
-    def __init__(self) -> None:
-        from motor_adapter.service import AdapterState, ServiceConfig
-
-        self._state = AdapterState(ServiceConfig())
-        self.description = "motor_adapter AdapterState in this process (no HTTP)"
-
-    def register(self, body: dict[str, Any]) -> dict[str, Any]:
-        from motor_adapter.motor import parse_registration
-
-        return self._state.register(parse_registration(body))
-
-    def workers(self) -> dict[str, Any]:
-        workers: dict[str, Any] = json.loads(json.dumps(self._state.workers(), default=str))
-        return workers
-
-    def query(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._state.query(body["model"], body["tenant_id"], body["block_size"], body["token_ids"])
-
-    def select(self, body: dict[str, Any]) -> dict[str, Any]:
-        from motor_adapter.service import _candidates
-
-        decision = self._state.select(
-            body["model"], body["tenant_id"], body["block_size"], _candidates(body["candidates"]), body["token_ids"]
-        )
-        result: dict[str, Any] = decision.to_dict()
-        result["log_line"] = decision.log_line(role=body["role"], req_id=body["req_id"])
-        return result
-
-    def close(self) -> None:
-        self._state.close()
-
-
-def _make_adapter(mode: str) -> Adapter:
-    if mode in ("auto", "http"):
-        try:
-            import aiohttp  # noqa: F401  (the service's HTTP stack: the `motor` extra)
-        except ImportError as exc:
-            if mode == "http":
-                hint = "pip install 'sglang-kvpub[motor]'"
-                raise DemoError(f"--adapter http needs the motor extra (aiohttp): {hint}") from exc
-        else:
-            return HttpAdapter()
+def _make_adapter() -> Adapter:
     try:
-        return InProcessAdapter()
+        import aiohttp  # noqa: F401  (the service's HTTP stack: the `motor` extra)
     except ImportError as exc:
-        raise DemoError(f"the adapter cannot load ({exc}): pip install 'sglang-kvpub[motor]'") from exc
+        hint = "pip install 'sglang-kvpub[motor]'"
+        raise DemoError(f"the demo runs motor-kv-adapter, which needs the motor extra: {hint}") from exc
+    return HttpAdapter()
 
 
 def _free_port() -> int:
@@ -394,7 +343,7 @@ class Demo:
         context: zmq.Context[Any] = zmq.Context()
         adapter: Adapter | None = None
         try:
-            adapter = _make_adapter(args.adapter)  # a subprocess: starts while we build the instances
+            adapter = _make_adapter()  # a subprocess: starts while we build the instances
             self._start_instances(context)
             self._header(prompts, adapter)
             self._register(adapter)

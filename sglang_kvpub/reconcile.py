@@ -56,6 +56,13 @@ _MARGIN = 0.85  # stop at this fraction of the budget: one unit of work may foll
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 
 _IDLE, _WALK, _SCAN, _EMIT = "idle", "walk", "scan", "emit"
+# (device, host) residency -> media to mark (constants: no allocation per node).
+_MEDIA_OF: dict[tuple[bool, bool], tuple[str, ...]] = {
+    (False, False): (),
+    (True, False): (MEDIUM_GPU,),
+    (False, True): (MEDIUM_CPU,),
+    (True, True): _MEDIA,
+}
 
 
 def device_pages(tree: Any) -> int:
@@ -233,8 +240,7 @@ class Reconciler:
         self._parents.extend(itertools.repeat(node, len(node.children)))
         if node.key is None or len(node.key) == 0:
             return
-        device, host = node_resident(node)
-        media = tuple(m for m, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)) if resident)
+        media = _MEDIA_OF[node_resident(node)]
         if media:
             self._node = node
             self._media = media

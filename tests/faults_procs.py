@@ -19,7 +19,7 @@ from kvpub_procs import BLOCK_SIZE, batch_events
 
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.residency import RankResidency
-from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, EventBatch
+from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, BlockStored, EventBatch
 
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 Truth = dict[tuple[int, str], set[int]]
@@ -38,6 +38,27 @@ def truth(ranges: dict[int, list[tuple[int, int]]]) -> Truth:
     return out
 
 
+def indexed(ranges: dict[int, list[tuple[int, int]]]) -> Truth:
+    """What a router index holds after exactly these batches, applied directly (no transport).
+
+    Equal to :func:`truth` while every chain is complete; a store whose parent block the
+    index never saw is skipped (an orphan: no query can reach it), so a lost batch also
+    hides the blocks chained after it.
+    """
+    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.wire import enrich_batch
+
+    index = PrefixIndex(BLOCK_SIZE)
+    for rank, spans in ranges.items():
+        for start, stop in spans:
+            for i in range(start, stop):
+                batch = enrich_batch(
+                    EventBatch(ts=0.0, events=batch_events(rank, i)), dp_rank=rank, block_size=BLOCK_SIZE
+                )
+                index.apply_batch("inst", batch)
+    return {(r, m): index.resident("inst", r, m) for r in ranges for m in MEDIA}
+
+
 def run_ctl_rank(config: PluginConfig, rank: int, channel: str, commands: Any, answers: Any) -> None:
     """``("publish", start, stop, interval_s)`` publishes that range; ``"stats"``; ``"stop"``."""
     from sglang_kvpub.rank_publisher import RankPublisher
@@ -54,6 +75,14 @@ def run_ctl_rank(config: PluginConfig, rank: int, channel: str, commands: Any, a
                 break
             if command == "stats":
                 answers.put(("stats", rank, publisher.stats))
+                continue
+            if command[0] == "root":  # a new prefix from the tree root: stored with no parent
+                _, first, blocks = command
+                hashes = [(rank << 32) | (first + k) for k in range(blocks)]
+                tokens = [7_000_000 + h % 1_000_000 + j for h in hashes for j in range(BLOCK_SIZE)]
+                stored = BlockStored(block_hashes=hashes, token_ids=tokens, block_size=BLOCK_SIZE)
+                publisher.publish(EventBatch(ts=time.time(), events=[stored]))
+                answers.put(("published", rank, first))
                 continue
             _, start, stop, interval_s = command
             for index in range(start, stop):

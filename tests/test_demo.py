@@ -237,9 +237,8 @@ def _run_demo(*extra: str) -> tuple[int, dict[str, Any], str]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("adapter", ["http", "inprocess"])
-def test_demo_second_identical_request_hits_the_rank_holding_the_prefix(adapter: str) -> None:
-    code, summary, log = _run_demo("--adapter", adapter)
+def test_demo_second_identical_request_hits_the_rank_holding_the_prefix() -> None:
+    code, summary, log = _run_demo()
     assert code == 0, log
     assert summary["ok"] is True
     requests = {r["req_id"]: r for r in summary["requests"]}

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zmq
 from conftest import free_tcp_endpoint
-from faults_procs import MEDIA, Truth, run_adapter, run_ctl_rank, truth
+from faults_procs import MEDIA, Truth, indexed, run_adapter, run_ctl_rank, truth
 from kvpub_procs import BLOCK_SIZE, batch_events, hash_of, run_fanin, spawn_context
 
 from motor_adapter.stream import StreamHealth, StreamOptions, StreamSubscriber
@@ -232,16 +232,22 @@ def test_kill9_fanin_ranks_keep_running(make_instance: Callable[..., Instance], 
             assert time.monotonic() < deadline, "the ranks never reached the new fan-in"
             time.sleep(0.1)
         for rank in range(2):
-            inst.publish(rank, 30, 60)
-        # What the new fan-in can know: announcements since it started (batches 30..59).
-        # Nothing stale; blocks stored before the restart and still resident are missing
-        # until the rank side re-announces them (issue 3's reconciliation).
-        seen = truth({r: [(30, 60)] for r in range(2)})
+            inst.publish(rank, 30, 60)  # extends chains whose roots the new fan-in never saw
+        inst.ranks[0][1].put(("root", 0xF000, 3))  # a new prefix from the root
+        inst.wait_published(0)
+        # What the new fan-in can know: announcements since it started.  Its residency holds
+        # batches 30..59, but their parents were announced before it: the index skips them as
+        # orphans (unreachable by any query).  Only the new root prefix is indexed.  Blocks
+        # resident before the restart stay invisible until the rank side re-announces them.
+        fresh = {(0 << 32) | (0xF000 + k) for k in range(3)}
+        seen = {key: set() for key in inst.truth()}
+        seen[(0, wire.MEDIUM_GPU)] = fresh
         health = wait_equal(sub, index, seen, "after the fan-in restart")
         engine = inst.truth()
-        for key in engine:
-            assert seen[key] <= engine[key]  # a subset: no stale block
-        assert any(engine[key] - seen[key] for key in engine)  # the documented loss
+        engine[(0, wire.MEDIUM_GPU)] |= fresh
+        assert all(seen[key] <= engine[key] for key in engine)  # a subset: nothing stale
+        resident_at_fanin = inst.fanin_stats()["ranks"]
+        assert all(state["resident"].get(wire.MEDIUM_GPU, 0) >= 20 for state in resident_at_fanin.values())
         assert health.restarts > before.restarts  # new epoch seen
         assert health.snapshots > before.snapshots  # rebuilt from the new fan-in's snapshot
         assert health.epoch is not None and health.epoch == wire.seq_epoch(inst.fanin_stats()["seq"])
@@ -385,15 +391,16 @@ def test_duplicated_and_reordered_channel_batches(zctx: zmq.Context[Any]) -> Non
             push.send_multipart(frames(0, seq))
         for seq in [0, 1, 2, 3, 5, 4, 6, 7]:  # rank 1: 4 arrives after 5
             push.send_multipart(frames(1, seq))
-        want = truth({0: [(0, 7)], 1: [(0, 4), (5, 8)]})  # rank 1's batch 4 is dropped as late
+        want = indexed({0: [(0, 7)], 1: [(0, 4), (5, 8)]})  # rank 1's batch 4 is dropped as late
         health = wait_equal(sub, index, want, "after duplicates and a reorder")
         stats = fanin.stats()
         assert stats["ranks"][0]["duplicates"] == 4 and stats["ranks"][0]["gaps"] == 0
         assert stats["ranks"][1]["gaps"] == 1 and stats["ranks"][1]["duplicates"] == 1  # reported, not silent
         engine = truth({0: [(0, 7)], 1: [(0, 8)]})
         assert resident(index, 2)[(0, wire.MEDIUM_GPU)] == engine[(0, wire.MEDIUM_GPU)]  # dups: exact
-        lost = engine[(1, wire.MEDIUM_GPU)] ^ want[(1, wire.MEDIUM_GPU)]
-        assert lost == {hash_of(1, 4), hash_of(1, 1)}  # batch 4 stored 4 and removed 1
+        diff = engine[(1, wire.MEDIUM_GPU)] ^ want[(1, wire.MEDIUM_GPU)]
+        # batch 4 stored 4 and removed 1; 5..7 chain from 4, so the index skips them too
+        assert diff == {hash_of(1, i) for i in (1, 4, 5, 6, 7)}
         assert (health.gaps, health.decode_errors) == (0, 0)  # the instance stream itself is intact
     finally:
         push.close(linger=0)
