@@ -1,15 +1,24 @@
-"""Residency bench: release-hook overhead per scheduler step, reconciliation, snapshot size/time.
+"""Residency bench: release-hook overhead per scheduler step, reconciliation slices, snapshot size/time.
 
 One JSON line:
 {"bench": "residency", "step_overhead_us_median", "step_overhead_us_p99", "reconcile_slice_ms_max",
- "reconcile_1m_pages_s", "snapshot_1m_blocks_s", "snapshot_1m_blocks_bytes", ...notes}
+ "reconcile_1m_pages_s", "snapshot_1m_blocks_s", "snapshot_1m_blocks_bytes", ...details}
 
-- Step overhead: the same SGLang steps (insert a 1k-token request on a shared prefix,
-  match_prefix, evict 2 pages, take_events) on SGLang 0.5.23's real UnifiedRadixCache
-  (Python UnifiedTreeCore, page 128, CPU torch), alternating with/without the release
-  hooks in the same run; overhead = per-pair difference of step times.
-- Reconcile: a real legacy RadixCache (page 4) holding 1M device pages in ~15.6k nodes,
-  one forced full walk in 1 ms slices (max slice and whole-walk time).
+- Step overhead: the same scheduler-like step (insert a 12-page request on a shared 4-page
+  prefix, match_prefix, evict 8 pages, take_events) on two identical SGLang 0.5.23
+  UnifiedRadixCache trees (Python UnifiedTreeCore, page 128, CPU torch), one with the
+  release hooks, one without, A/B interleaved per step with the order alternating.
+  Overhead = median / p99 of the per-step differences (hooked - plain) of the step's
+  thread CPU time (``thread_time_ns``: preemption by other processes excluded).  Headline
+  with the cyclic GC disabled during the timed steps; the same with GC enabled and the
+  wall-clock (``perf_counter_ns``) differences are reported alongside.
+- Reconcile: a real legacy RadixCache (page 4, 64 pages per node) holding 1M device pages,
+  drift injected (256 announced hashes forgotten, 1000 phantom hashes announced), one
+  repair in slices of the production budget (1 ms, ``perf_counter``).  Per slice, CPU
+  (thread_time) and wall time: max / p99 / median; collections of the cyclic GC that ran
+  inside a slice are counted (GC left enabled, the tree built first and one
+  ``gc.collect()`` as a long-running scheduler would have done).  The same on the
+  UnifiedRadixCache Python core at 128k pages.
 - Snapshot: sglang_kvpub.residency.RankResidency with 1M resident blocks (16 tokens each,
   chains of 64), snapshot_events + wire.BatchEncoder("map") encoding.
 Run: python bench/residency.py [--quick]
@@ -18,6 +27,7 @@ Run: python bench/residency.py [--quick]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -46,51 +56,138 @@ def _toggle(enabled: bool) -> None:
             setattr(cls, method, current.__wrapped__)
 
 
-def step_overhead(ns: Any, steps: int) -> tuple[float, float]:
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def _summary(values: list[float], digits: int = 2) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), digits),
+        "p99": round(_pct(values, 0.99), digits),
+        "max": round(max(values), digits),
+    }
+
+
+# --------------------------------------------------------------------------- step overhead
+
+
+def step_overhead(ns: Any, steps: int, gc_enabled: bool) -> dict[str, Any]:
     import rh_trees as rt
 
     page = 128
     trees = {flag: rt.unified_tree(ns, page) for flag in (True, False)}
     prefix = list(range(1_000_000, 1_000_000 + 4 * page))
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(steps):
-        tokens = prefix + [i * 10_000 + j for j in range(8 * page)]
-        for flag in (False, True):
-            _toggle(flag)
-            tree = trees[flag]
-            start = time.perf_counter()
-            rt.insert(ns, tree, tokens)
-            tree.match_prefix(ns.base.MatchPrefixParams(key=rt.key(ns, tokens)))
-            if i >= 8:
-                tree.evict(ns.base.EvictParams(num_tokens=2 * page))
-            tree.take_events()
-            times[flag].append(time.perf_counter() - start)
-    _toggle(True)
-    diffs = sorted((a - b) * 1e6 for a, b in zip(times[True], times[False], strict=True))
-    return statistics.median(diffs), diffs[min(len(diffs) - 1, int(len(diffs) * 0.99))]
+    cpu: dict[bool, list[int]] = {True: [], False: []}
+    wall: dict[bool, list[int]] = {True: [], False: []}
+    warmup = 20
+    was_enabled = gc.isenabled()
+    try:
+        for i in range(steps + warmup):
+            tokens = prefix + [i * 10_000 + j for j in range(8 * page)]
+            for flag in (True, False) if i % 2 else (False, True):
+                _toggle(flag)
+                tree = trees[flag]
+                if not gc_enabled:
+                    gc.disable()
+                c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                rt.insert(ns, tree, tokens)
+                tree.match_prefix(ns.base.MatchPrefixParams(key=rt.key(ns, tokens)))
+                if i >= 8:
+                    tree.evict(ns.base.EvictParams(num_tokens=8 * page))
+                tree.take_events()
+                c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+                if was_enabled:
+                    gc.enable()
+                if i >= warmup:
+                    cpu[flag].append(c1 - c0)
+                    wall[flag].append(w1 - w0)
+    finally:
+        _toggle(True)
+        if was_enabled:
+            gc.enable()
+    cpu_diff = [(a - b) / 1e3 for a, b in zip(cpu[True], cpu[False], strict=True)]
+    wall_diff = [(a - b) / 1e3 for a, b in zip(wall[True], wall[False], strict=True)]
+    return {
+        "cpu_diff_us": _summary(cpu_diff),
+        "wall_diff_us": _summary(wall_diff),
+        "plain_step_cpu_us_median": round(statistics.median(cpu[False]) / 1e3, 1),
+        "hooked_step_cpu_us_median": round(statistics.median(cpu[True]) / 1e3, 1),
+        "steps": len(cpu_diff),
+    }
 
 
-def reconcile(ns: Any, pages: int) -> tuple[float, float]:
+# --------------------------------------------------------------------------- reconcile
+
+
+def _build(ns: Any, make: Any, pages: int) -> Any:
     import rh_trees as rt
 
-    from sglang_kvpub.reconcile import Reconciler
-
-    page = 4
-    tree = rt.legacy_tree(ns, page)
-    per_node = 64
+    page, per_node = 4, 64
+    tree = make(ns, page)
     for n in range(pages // per_node):
         rt.insert(ns, tree, [n // 64] * page + [n * 1000 + j for j in range(per_node * page - page)])
         if n % 256 == 0:
             tree.take_events()
     tree.take_events()
-    # Scheduler CPU time (thread_time): this 2-core machine is shared, wall slices include preemption.
-    rec = Reconciler(tree, budget_s=0.001, clock=time.thread_time)
+    return tree
+
+
+def reconcile(ns: Any, make: Any, pages: int) -> dict[str, Any]:
+    import rh_trees as rt
+
+    from sglang_kvpub.reconcile import Reconciler, drift
+    from sglang_kvpub.wire import MEDIUM_GPU
+
+    tree = _build(ns, make, pages)
+    marks = rt.tracker(tree).announced[MEDIUM_GPU]
+    forgotten = [h for h, _ in zip(marks, range(256), strict=False)]
+    for block_hash in forgotten:
+        del marks[block_hash]
+    for phantom in range(1000):
+        marks[-(phantom + 1)] = 0
+    gc.collect()  # a long-running scheduler's heap has aged: the build's young objects too
+    pauses: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            pauses.append(time.perf_counter())
+
+    rec = Reconciler(tree, budget_s=0.001)
+    cpu: list[float] = []
+    wall: list[float] = []
+    gc_slices = 0
+    gc.callbacks.append(on_gc)
     start = time.perf_counter()
-    rec.run()
-    while rec._garbage:  # the walk's containers are freed in later idle slices
-        rec.step()
+    try:
+        force = True
+        while force or rec.walking:
+            before = len(pauses)
+            c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            rec.step(force=force)
+            c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            force = False
+            cpu.append((c1 - c0) / 1e6)
+            wall.append((w1 - w0) / 1e6)
+            gc_slices += len(pauses) > before
+    finally:
+        gc.callbacks.remove(on_gc)
     total = time.perf_counter() - start
-    return rec.max_slice_s * 1e3, total
+    corrections = rt.tracker(tree).corrections
+    return {
+        "pages": pages,
+        "slices": len(cpu),
+        "slice_cpu_ms": _summary(cpu, 3),
+        "slice_wall_ms": _summary(wall, 3),
+        "slices_with_gc": gc_slices,
+        "walk_s": round(total, 3),
+        "fixed_stale": corrections["reconcile_stale_gpu"],
+        "fixed_missing": corrections["reconcile_missing_gpu"],
+        "drift_after": drift(tree),
+    }
+
+
+# --------------------------------------------------------------------------- snapshot
 
 
 def snapshot(blocks: int) -> tuple[float, int]:
@@ -101,12 +198,11 @@ def snapshot(blocks: int) -> tuple[float, int]:
     chain, size = 64, 16
     block = 1
     for _c in range(blocks // chain):
-        parent = None
         hashes = list(range(block, block + chain))
         res.apply(
             BlockStored(
                 block_hashes=hashes,
-                parent_block_hash=parent,
+                parent_block_hash=None,
                 token_ids=list(range(chain * size)),
                 block_size=size,
                 lora_id=None,
@@ -125,31 +221,41 @@ def snapshot(blocks: int) -> tuple[float, int]:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (extrapolated)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (whole-walk and snapshot extrapolated)")
     args = parser.parse_args()
     import rh_trees as rt
 
     ns = rt.setup()
-    steps = 100 if args.quick else 400
+    steps = 200 if args.quick else 1000
     pages = 1 << 17 if args.quick else 1 << 20
+    unified_pages = 1 << 15 if args.quick else 1 << 17
     blocks = 1 << 17 if args.quick else 1 << 20
-    median, p99 = step_overhead(ns, steps)
-    slice_ms, walk_s = reconcile(ns, pages)
+    no_gc = step_overhead(ns, steps, gc_enabled=False)
+    with_gc = step_overhead(ns, steps, gc_enabled=True)
+    legacy = reconcile(ns, rt.legacy_tree, pages)
+    unified = reconcile(ns, rt.unified_tree, unified_pages)
     snap_s, snap_bytes = snapshot(blocks)
     scale = (1 << 20) / pages
     print(
         json.dumps(
             {
                 "bench": "residency",
-                "step_overhead_us_median": round(median, 2),
-                "step_overhead_us_p99": round(p99, 2),
-                "reconcile_slice_ms_max": round(slice_ms, 3),
-                "reconcile_1m_pages_s": round(walk_s * scale, 3),
+                "step_overhead_us_median": no_gc["cpu_diff_us"]["median"],
+                "step_overhead_us_p99": no_gc["cpu_diff_us"]["p99"],
+                "reconcile_slice_ms_max": max(legacy["slice_cpu_ms"]["max"], unified["slice_cpu_ms"]["max"]),
+                "reconcile_1m_pages_s": round(legacy["walk_s"] * scale, 3),
                 "snapshot_1m_blocks_s": round(snap_s * (1 << 20) / blocks, 3),
                 "snapshot_1m_blocks_bytes": int(snap_bytes * (1 << 20) / blocks),
-                "tree": "UnifiedRadixCache(python core, page 128) / RadixCache(page 4, 64 pages/node)",
+                "step_overhead": {
+                    "method": "A/B interleaved per step, order alternating; per-step difference of thread CPU time",
+                    "gc_disabled": no_gc,
+                    "gc_enabled": with_gc,
+                },
+                "reconcile_legacy_radixcache": legacy,
+                "reconcile_unified_python_core": unified,
+                "reconcile_slice_clock": "max/p99/median of thread CPU time and wall per slice; budget 1 ms",
                 "snapshot_block_tokens": 16,
-                "reconcile_clock": "thread_time",
+                "load_avg_1m": round(os.getloadavg()[0], 2),
                 "extrapolated": bool(args.quick),
             }
         )

@@ -23,12 +23,15 @@ import hmac
 import json
 import logging
 import os
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Union
 
 import msgspec
+import xxhash
 from aiohttp import web
 
 from motor_adapter import metrics
@@ -50,7 +53,7 @@ from motor_adapter.scoring import (
     fold_engine_dps,
     select,
 )
-from sglang_kvpub.hashing import chain_hashes
+from sglang_kvpub.hashing import BASE_SEED, chain_hashes
 from sglang_kvpub.security import RateLimiter
 
 __all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
@@ -61,6 +64,7 @@ _U32_MAX = 0xFFFFFFFF
 _U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
+_xxh3 = xxhash.xxh3_64_intdigest
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
@@ -73,7 +77,7 @@ class QueryBody(msgspec.Struct, kw_only=True):
     model: Union[str, None] = None
     block_size: _BLOCK_SIZE = 128
     tenant_id: Union[str, None] = None
-    token_ids: Union[list[_U32], None] = None
+    token_ids: Union[list[int], None] = None  # range-checked by u32_tokens in one C call
     block_hashes: Union[list[int], None] = None  # i64 or u64: range checked by the handler
     prompt: Any = None
     messages: Any = None
@@ -176,6 +180,26 @@ def token_ids_of(value: Any) -> list[int]:
         return msgspec.convert(value, list[_U32])
     except msgspec.ValidationError as exc:
         raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+
+
+def u32_tokens(tokens: Sequence[int]) -> array[int]:
+    """Token ids packed as u32 in one C call, which is also the range check [0, 2^32)."""
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+
+
+def sequence_keys_u32(tokens: array[int], block_size: int) -> list[int]:
+    """``hashing.sequence_keys`` (no LoRA) of u32-packed tokens, hashed straight from the buffer."""
+    step = block_size * 4
+    raw = memoryview(tokens).cast("B")
+    if sys.byteorder != "little":
+        swapped = array("I", tokens)
+        swapped.byteswap()
+        raw = memoryview(swapped).cast("B")
+    full = len(raw) - len(raw) % step
+    return chain_hashes([_xxh3(raw[i : i + step], BASE_SEED) for i in range(0, full, step)], BASE_SEED)
 
 
 # --------------------------------------------------------------------------- state
@@ -339,7 +363,11 @@ class AdapterState:
 
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
-        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
+        if isinstance(token_ids, array) and token_ids.typecode == "I":  # the HTTP path: hash the buffer
+            keys = sequence_keys_u32(token_ids, block_size)
+            hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
+        else:
+            hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
         cfg = self.scoring_config(block_size)
         response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
         self.metrics.observe_query(model, response[tenant], len(token_ids) // block_size, started, block_size)
@@ -348,9 +376,7 @@ class AdapterState:
     def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = chain_hashes(local_hashes)
-        hits, dps, _ = self.instance_hits(
-            model, tenant, block_size, lambda aff: aff.query_keys(keys)
-        )
+        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
         cfg = self.scoring_config(block_size)
         response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
         self.metrics.observe_query(model, response[tenant], len(keys), started, block_size)
@@ -660,11 +686,11 @@ class _Handlers:
     async def query(self, request: web.Request) -> web.Response:
         body = await self.query_body(request)
         model, tenant, block_size = body.common()
-        tokens = body.token_ids
+        tokens: Sequence[int] | None = body.token_ids
         if tokens is None:
             fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
             tokens = await asyncio.to_thread(self.state.tokens_of, model, fields)
-        return _json_response(self.state.query(model, tenant, block_size, tokens))
+        return _json_response(self.state.query(model, tenant, block_size, u32_tokens(tokens)))
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         body = await self.query_body(request)

@@ -20,6 +20,7 @@ heartbeat (empty payload) every ``heartbeat_s`` so the fan-in can report dead ra
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import secrets
 import threading
@@ -140,10 +141,8 @@ class RankPublisher:
                 if self._stopping:
                     return
                 self._idle = True
-            try:
+            with contextlib.suppress(Empty):
                 self._wake.get(timeout=max(0.0, next_beat - time.monotonic()))
-            except Empty:
-                pass
 
     def _drain(self) -> bool:
         sent_any = False

@@ -48,11 +48,11 @@ from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 __all__ = ["device_pages", "drift", "Reconciler", "IDLE_TARGET", "install_reconcile_hook", "reconcile_on_idle"]
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-_PAGES_PER_CHECK = 32  # pages hashed between clock reads (~2 us each)
-_SCAN_PER_CHECK = 1024  # announced entries examined between clock reads
+_PAGES_PER_CHECK = 16  # pages hashed between clock reads (~2-3 us each)
+_SCAN_PER_CHECK = 512  # announced entries examined between clock reads
 _SKIP_PER_CHECK = 1 << 16  # entries skipped (C speed) between clock reads
-_EMIT_PER_CHECK = 512  # stale hashes emitted between clock reads
-_MARGIN = 0.85  # stop at this fraction of the budget: one unit of work may follow the check
+_EMIT_PER_CHECK = 256  # stale hashes emitted between clock reads
+_MARGIN = 0.75  # stop at this fraction of the budget: one unit of work may follow the check
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 
 _IDLE, _WALK, _SCAN, _EMIT = "idle", "walk", "scan", "emit"
@@ -144,6 +144,7 @@ class Reconciler:
         self._pages = 0
         # Deques: pre-order (parents first) kept, freed block by block as they drain.
         self._hasher: _PageHasher | None = None
+        self._store: _StoreCursor | None = None
         self._missing: dict[str, collections.deque[Any]] = {m: collections.deque() for m in _MEDIA}
         # Scan / emit.
         self._medium_index = 0
@@ -182,9 +183,9 @@ class Reconciler:
                 if not force and drift(self.tree) == 0:
                     return False
                 self._begin()
-            if self.phase == _WALK and not self._walk(deadline):
+            if self.phase == _WALK and (not self._walk(deadline) or self.clock() >= deadline):
                 return False
-            if self.phase == _SCAN and not self._scan(deadline):
+            if self.phase == _SCAN and (not self._scan(deadline) or self.clock() >= deadline):
                 return False
             if self.phase == _EMIT and not self._emit(deadline):
                 return False
@@ -353,21 +354,95 @@ class Reconciler:
                 if self.clock() >= deadline:
                     return False
             missing = self._missing[medium]
-            while missing:
-                node = missing.popleft()
-                emit_stored(recorder, tracker, self._stores(node, medium), f"reconcile_missing_{suffix}")
+            while missing or self._store is not None:
+                self._emit_missing_chunk(missing, medium, f"reconcile_missing_{suffix}")
                 if self.clock() >= deadline:
                     return False
         return True
 
-    def _stores(self, node: Any, medium: str) -> list[Any]:
-        """Single-block ``BlockStored`` (SGLang's struct) for the node's unannounced pages."""
+    def _emit_missing_chunk(self, missing: collections.deque[Any], medium: str, cause: str) -> None:
+        """Single-page ``BlockStored`` for a few of a missing node's unannounced pages."""
+        recorder = self.tree.kv_events
+        hasher = self._hasher
+        assert hasher is not None
+        store = self._store
+        if store is None:
+            node = missing.popleft()
+            if not self._still_resident(node, medium):
+                return
+            if not hasher.fast:  # whole node at once, SGLang's own record_store
+                events = _stores_for(recorder, node, self.tracker.announced[medium], medium)
+                emit_stored(recorder, self.tracker, events, cause)
+                return
+            store = self._store = _StoreCursor(recorder, hasher, node, medium)
+        events = store.next_chunk(self.tracker.announced[medium], _PAGES_PER_CHECK)
+        if store.done:
+            self._store = None
+        emit_stored(recorder, self.tracker, events, cause)
+
+    def _still_resident(self, node: Any, medium: str) -> bool:
         if not _is_child(self.tree, node.parent, node):
-            return []
+            return False
         device, host = node_resident(node)
-        if not (device if medium == MEDIUM_GPU else host):
-            return []
-        return _stores_for(self.tree.kv_events, node, self.tracker.announced[medium], medium)
+        return device if medium == MEDIUM_GPU else host
+
+
+class _StoreCursor:
+    """Builds SGLang ``BlockStored`` structs page by page, as its recorder's ``record_store`` does.
+
+    Hashes, namespace seed, parent link and LoRA name come from the recorder's own helpers.
+    """
+
+    def __init__(self, recorder: Any, hasher: _PageHasher, node: Any, medium: str) -> None:
+        module = _event_classes(recorder)
+        self.module = module
+        self.hasher = hasher
+        self.node = node
+        self.context = hasher.open(node)
+        self.page = 0
+        self.pages = hasher.pages(node)
+        self.page_size = int(recorder.page_size)
+        seed = self.context[1]
+        parent = recorder._parent_block_hash(node)
+        self.parent = None if parent is None else hasher.namespaced(parent, namespace_seed=seed)  # type: ignore[misc]
+        extra = node.key.extra_key
+        names = getattr(recorder, "lora_names", None)
+        lora_name = None
+        if names is not None:
+            lora_name = names.resolve(extra) if getattr(recorder, "dynamo_format", False) else names.get(extra)
+        fields = set(getattr(module.BlockStored, "__struct_fields__", ()))
+        optional = {"cache_salt": node.key.cache_salt, "session_id": None, "lora_name": lora_name}
+        self.extra = {k: v for k, v in optional.items() if k in fields}
+        self.medium = _sglang_medium(module, medium)
+        self.done = self.pages == 0
+
+    def next_chunk(self, announced: dict[int, int], count: int) -> list[Any]:
+        key = self.node.key
+        raw = key.token_ids
+        bigram = getattr(key, "is_bigram", False)
+        length = len(key)
+        out: list[Any] = []
+        stop = min(self.page + count, self.pages)
+        for index in range(self.page, stop):
+            block_hash = self.hasher.hash_at(self.context, index)
+            if block_hash not in announced:
+                first, last = index * self.page_size, min((index + 1) * self.page_size, length)
+                tokens = [(raw[j], raw[j + 1]) for j in range(first, last)] if bigram else list(raw[first:last])
+                out.append(
+                    self.module.BlockStored(
+                        block_hashes=[block_hash],
+                        parent_block_hash=self.parent,
+                        token_ids=tokens,
+                        block_size=len(tokens),
+                        lora_id=None,
+                        medium=self.medium,
+                        **self.extra,
+                    )
+                )
+            self.parent = block_hash
+        self.page = stop
+        self.done = stop >= self.pages
+        return out
 
 
 def _is_child(tree: Any, parent: Any, node: Any) -> bool:
@@ -381,6 +456,7 @@ def _is_child(tree: Any, parent: Any, node: Any) -> bool:
 
 
 def _stores_for(recorder: Any, node: Any, announced: dict[int, int], medium: str) -> list[Any]:
+    """Fallback: SGLang's ``record_store`` into a scratch queue, split into single pages."""
     import msgspec
 
     module = _event_classes(recorder)

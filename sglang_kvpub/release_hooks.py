@@ -334,12 +334,21 @@ def settle(tree: Any) -> int:
 def _settle_node(tree: Any, recorder: Any, tracker: Tracker, node: Any) -> int:
     if node is tree.root_node or node.key is None or len(node.key) == 0:
         return 0
-    device, host = node_resident(node) if node_attached(tree, node) else (False, False)
+    device, host = node_resident(node)
+    if (device or host) and not node_attached(tree, node):
+        device = host = False
+    ends: tuple[int, int] | tuple[()] | None = None
     hashes: list[int] | None = None
     removed = 0
     for medium, resident in ((MEDIUM_GPU, device), (MEDIUM_CPU, host)):
         announced = tracker.announced.get(medium)
         if resident or not announced:
+            continue
+        # Usually SGLang already removed the node (whole nodes at a time): two page
+        # hashes tell, instead of hashing every page.
+        if ends is None:
+            ends = node_end_hashes(recorder, node)
+        if ends and ends[0] not in announced and ends[1] not in announced:
             continue
         if hashes is None:
             hashes = node_block_hashes(recorder, node)
@@ -348,6 +357,23 @@ def _settle_node(tree: Any, recorder: Any, tracker: Tracker, node: Any) -> int:
             emit_removed(recorder, tracker, stale, medium, "release_gpu" if medium == MEDIUM_GPU else "release_cpu")
             removed += len(stale)
     return removed
+
+
+def node_end_hashes(recorder: Any, node: Any) -> tuple[int, int] | tuple[()]:
+    """Event hashes of the node's first and last page (SGLang's helpers); () if unavailable."""
+    module = _event_classes(recorder)
+    to_int = getattr(module, "hash_str_to_int64", None)
+    namespaced = getattr(module, "namespaced_block_hash", None)
+    if to_int is None or namespaced is None or not hasattr(recorder, "_node_event_hash_values"):
+        return ()
+    values = recorder._node_event_hash_values(node)
+    if not values:
+        return ()
+    seed = recorder._namespace_seed(node)
+    return (
+        int(namespaced(to_int(values[0]), namespace_seed=seed)),
+        int(namespaced(to_int(values[-1]), namespace_seed=seed)),
+    )
 
 
 # --------------------------------------------------------------------------- hooks

@@ -127,6 +127,56 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     dp_rank: Union[int, None] = None
 
 
+# Positional (tagged array) events as SGLang <= 0.5.19, vLLM < 0.26 and our "array" encoding
+# write them: decoded by msgspec directly, then turned into the public structs.  Trailing
+# positions a version does not write take their defaults; extra trailing ones are ignored.
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None] = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None] = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_ArrayStored, _ArrayRemoved, _ArrayCleared]]
+    dp_rank: Union[int, None] = None
+
+
+def _from_array_batch(raw: _ArrayBatch) -> EventBatch:
+    events: list[Event] = []
+    for item in raw.events:
+        if type(item) is _ArrayStored:
+            events.append(
+                BlockStored(
+                    block_hashes=item.block_hashes,
+                    parent_block_hash=item.parent_block_hash,
+                    token_ids=item.token_ids,
+                    block_size=item.block_size,
+                    lora_id=item.lora_id,
+                    medium=item.medium,
+                    lora_name=item.lora_name,
+                )
+            )
+        elif type(item) is _ArrayRemoved:
+            events.append(BlockRemoved(block_hashes=item.block_hashes, medium=item.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
+
+
 # --------------------------------------------------------------------------- hashes
 
 
@@ -204,16 +254,18 @@ _EVENT_TAGS = {
 class BatchDecoder:
     """Decodes one payload into an :class:`EventBatch`, whatever engine version wrote it.
 
-    The fast path is msgspec's typed decoder for the current tagged-map shape; anything
-    else (positional arrays, bytes hashes, unknown event types, 2-field batches written
-    by old engines) goes through a generic walk.  Unknown fields are ignored, unknown
-    event types are counted in ``stats.unknown_events`` and skipped.
+    The fast paths are msgspec's typed decoders for the tagged-map shape and for the
+    positional-array shape; anything else (bytes hashes, unknown event types, SGLang
+    0.5.18's metadata maps, rank-before-events batches) goes through a generic walk.
+    Unknown fields are ignored, unknown event types are counted in
+    ``stats.unknown_events`` and skipped.
     """
 
     def __init__(self, limits: DecodeLimits | None = None) -> None:
         self.limits = limits or DecodeLimits()
         self.stats = DecodeStats()
         self._typed = msgspec.msgpack.Decoder(EventBatch)
+        self._typed_arrays = msgspec.msgpack.Decoder(_ArrayBatch)
         self._generic = msgspec.msgpack.Decoder()
 
     def decode(self, payload: bytes | memoryview) -> EventBatch:
@@ -232,7 +284,10 @@ class BatchDecoder:
         try:
             batch = self._typed.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return self._decode_generic(payload)
+            try:
+                batch = _from_array_batch(self._typed_arrays.decode(payload))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return self._decode_generic(payload)
         self._check_typed(batch)
         return batch
 

@@ -158,7 +158,7 @@ def check_rank_batch(batch: wire.EventBatch, rank: int, index: int) -> None:
     assert len(batch.events) == len(expected)
     for got, want in zip(batch.events, expected, strict=True):
         assert type(got) is type(want)
-        assert got.medium in (wire.MEDIUM_GPU, wire.MEDIUM_CPU)  # type: ignore[union-attr]
+        assert got.medium in (wire.MEDIUM_GPU, wire.MEDIUM_CPU)  # type: ignore[union-attr,operator]
         assert got.block_hashes == want.block_hashes  # type: ignore[union-attr]
         if isinstance(got, wire.BlockStored):
             assert isinstance(want, wire.BlockStored)

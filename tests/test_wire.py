@@ -336,3 +336,21 @@ def test_hash_from_wire_range_and_forms() -> None:
     for bad in (1 << 64, -(1 << 63) - 1, True, None):
         with pytest.raises(wire.WireError):
             wire.hash_from_wire(bad)
+
+
+def test_positional_arrays_take_a_typed_fast_path() -> None:
+    batch = EventBatch(
+        ts=3.0,
+        events=[
+            BlockStored(block_hashes=[1, 2], token_ids=TOKENS, block_size=4, medium="GPU", lora_name="a"),
+            BlockRemoved(block_hashes=[2], medium="GPU"),
+            AllBlocksCleared(),
+        ],
+        dp_rank=4,
+    )
+    decoder = BatchDecoder()
+    assert decoder.decode(BatchEncoder("array").encode(batch)) == batch
+    old_sglang = msgpack.packb([1.0, [["BlockStored", [7], None, TOKENS[:4], 4, None]], 0])
+    stored = decoder.decode(old_sglang).events[0]
+    assert isinstance(stored, BlockStored) and stored.medium is None
+    assert decoder.stats.slow_path == 0
