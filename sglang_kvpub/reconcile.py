@@ -36,6 +36,7 @@ from sglang_kvpub.release_hooks import (
     Tracker,
     _event_classes,
     _sglang_medium,
+    device_pages,
     emit_removed,
     emit_stored,
     node_block_hashes,
@@ -63,17 +64,6 @@ _MEDIA_OF: dict[tuple[bool, bool], tuple[str, ...]] = {
     (False, True): (MEDIUM_CPU,),
     (True, True): _MEDIA,
 }
-
-
-def device_pages(tree: Any) -> int:
-    """Pages of Full KV the tree holds on device, from SGLang's own O(1) counters."""
-    tree = tree_of(tree)
-    evictable = getattr(tree, "component_evictable_size_", None)
-    if evictable is not None:
-        tokens = evictable[0] + tree.component_protected_size_[0]  # ComponentType.FULL
-    else:
-        tokens = tree.evictable_size_ + tree.protected_size_
-    return int(tokens) // int(tree.page_size)
 
 
 def drift(tree: Any) -> int:
@@ -475,7 +465,9 @@ def _stores_for(recorder: Any, node: Any, announced: dict[int, int], medium: str
             if block_hash not in announced:
                 tokens = list(event.token_ids[index * size : (index + 1) * size])
                 out.append(
-                    msgspec.structs.replace(event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens)
+                    msgspec.structs.replace(
+                        event, block_hashes=[block_hash], parent_block_hash=parent, token_ids=tokens
+                    )
                 )
             parent = block_hash
     return out

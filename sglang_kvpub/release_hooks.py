@@ -44,6 +44,8 @@ __all__ = [
     "node_attached",
     "node_block_hashes",
     "settle",
+    "device_pages",
+    "gpu_drift",
 ]
 
 log = logging.getLogger(__name__)
@@ -93,14 +95,15 @@ class Tracker:
         "announced",
         "corrections",
         "depth",
+        "entry_drift",
         "epoch",
         "lock",
         "pending",
         "plugin_removed",
-        "pos_event",
         "pos_hash",
         "queue_ref",
         "removals",
+        "seen",
         "tree",
     )
 
@@ -112,7 +115,7 @@ class Tracker:
         # Hashes the plugin removed that SGLang may still remove itself (dedupe).
         self.plugin_removed: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
         self.queue_ref: list[Any] | None = None
-        self.pos_event = 0
+        self.seen = 0
         self.pos_hash = 0
         self.pending: list[Any] = []
         self.depth = 0
@@ -121,6 +124,8 @@ class Tracker:
         # reconcile_* (reconcile.py).
         self.corrections: collections.Counter[str] = collections.Counter()
         self.epoch = 0
+        # GPU drift when the outermost hooked tree operation began (None: unknown).
+        self.entry_drift: int | None = None
         # Hashes ever removed from ``announced`` (reconcile.py resumes its scan with it).
         self.removals = 0
         self.lock = threading.RLock()
@@ -131,27 +136,34 @@ class Tracker:
     # ------------------------------------------------------------------ absorb
 
     def absorb(self, queue: list[Any]) -> None:
-        """Apply the not-yet-seen part of the recorder's queue (coalescing-aware)."""
+        """Apply the not-yet-seen part of the recorder's queue (coalescing-aware).
+
+        ``seen`` events were seen, the last of them up to ``pos_hash`` hashes (SGLang may
+        extend a queued event's hash list later).
+        """
         if queue is not self.queue_ref:
             self.queue_ref = queue
-            self.pos_event = 0
+            self.seen = 0
             self.pos_hash = 0
-        index = self.pos_event
+        size = len(queue)
+        if size == self.seen and (size == 0 or self.pos_hash == len(getattr(queue[-1], "block_hashes", ()))):
+            return  # nothing new: the common case, called around every tree operation
+        index = self.seen - 1 if self.seen else 0
         while index < len(queue):
             event = queue[index]
-            start = self.pos_hash if index == self.pos_event else 0
+            start = 0
+            if index < self.seen:  # the seen tail: only hashes coalesced into it since
+                start = self.pos_hash
+                if start >= len(getattr(event, "block_hashes", ())):
+                    index += 1
+                    continue
             if self._absorb_event(event, start):
                 del queue[index]  # fully deduplicated removal
-                self.pos_hash = 0
-                self.pos_event = index
+                self.seen = min(self.seen, index)
                 continue
             index += 1
-        if queue:
-            self.pos_event = len(queue) - 1
-            self.pos_hash = len(getattr(queue[-1], "block_hashes", ()))
-        else:
-            self.pos_event = 0
-            self.pos_hash = 0
+        self.seen = len(queue)
+        self.pos_hash = len(getattr(queue[-1], "block_hashes", ())) if queue else 0
 
     def _absorb_event(self, event: Any, start: int) -> bool:
         """Apply one event from hash ``start``; True when it is now empty and must go."""
@@ -198,7 +210,7 @@ class Tracker:
     def skip_to_end(self, queue: list[Any]) -> None:
         """Mark everything queued as absorbed (after the plugin enqueued its own event)."""
         self.queue_ref = queue
-        self.pos_event = max(0, len(queue) - 1)
+        self.seen = len(queue)
         self.pos_hash = len(getattr(queue[-1], "block_hashes", ())) if queue else 0
 
 
@@ -396,6 +408,8 @@ def _outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: A
     if recorder is None or not recorder.enabled:
         return original(self, *args, **kwargs)
     tracker = tracker_of(recorder)
+    if tracker.depth == 0:
+        tracker.entry_drift = gpu_drift(self, tracker)
     tracker.depth += 1
     try:
         return original(self, *args, **kwargs)
@@ -403,7 +417,43 @@ def _outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: A
         tracker.depth -= 1
         if tracker.depth == 0 and tracker.pending:
             tracker.tree = self
-            settle(self)
+            if _unchanged(self, tracker):
+                tracker.pending.clear()
+            else:
+                settle(self)
+
+
+def _unchanged(tree: Any, tracker: Tracker) -> bool:
+    """Fast path: SGLang announced every device release of the operation itself.
+
+    Announced GPU blocks minus SGLang's device page counter did not move during the
+    operation (and nothing is announced on host, which has no such counter), so every
+    page that left HBM was removed by SGLang's own events: no per-node check needed.
+    """
+    if tracker.entry_drift is None or tracker.announced.get(MEDIUM_CPU):
+        return False
+    return gpu_drift(tree, tracker) == tracker.entry_drift
+
+
+def device_pages(tree: Any) -> int:
+    """Pages of Full KV the tree holds on device, from SGLang's own O(1) counters."""
+    tree = tree_of(tree)
+    evictable = getattr(tree, "component_evictable_size_", None)
+    if evictable is not None:
+        tokens = evictable[0] + tree.component_protected_size_[0]  # ComponentType.FULL
+    else:
+        tokens = tree.evictable_size_ + tree.protected_size_
+    return int(tokens) // int(tree.page_size)
+
+
+def gpu_drift(tree: Any, tracker: Tracker) -> int | None:
+    """Announced GPU blocks minus device pages (queue absorbed first); None if not countable."""
+    try:
+        pages = device_pages(tree)
+    except (AttributeError, IndexError, TypeError):
+        return None
+    tracker.absorb(tree.kv_events._queue)
+    return len(tracker.announced.get(MEDIUM_GPU, ())) - pages
 
 
 def _reset_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:

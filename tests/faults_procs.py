@@ -214,11 +214,12 @@ def run_load_adapter(
     def query() -> None:
         i = 0
         while not stop.is_set():
-            rank, index = i % dp_size, max(0, int((time.monotonic() - started) * 100) - 2)
-            tokens = _chain(rank, index, MEDIUM_GPU).token_ids
-            found = affinity.query(tokens)
+            rank = i % dp_size
+            applied = affinity.health()[streams[i % len(streams)][0]][0].batches
+            index = max(0, applied // dp_size - 3)  # a request that rank still holds in HBM
+            found = affinity.query(_chain(rank, index, MEDIUM_GPU).token_ids)
             counts["queries"] += 1
-            counts["hits"] += any(h.npu_blocks for per in found.values() for h in per.values())  # type: ignore[attr-defined]
+            counts["hits"] += any(h.npu_blocks for per in found.values() for h in per.values())
             i += 1
             time.sleep(0.001)  # a query stream, not a busy loop
 

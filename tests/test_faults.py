@@ -8,6 +8,7 @@ ranges, so what each rank holds is the fold of those batches (``faults_procs.tru
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -170,7 +171,10 @@ def wait_equal(sub: StreamSubscriber, index: PrefixIndex, want: Truth, what: str
     got = resident(index, ranks)
     diff = {k: (sorted(got[k] - want[k])[:5], sorted(want[k] - got[k])[:5]) for k in want if got[k] != want[k]}
     assert ok, f"{what}: index != truth; (stale, missing) per (rank, medium): {diff}"
-    return sub.health()
+    health = sub.health()
+    fields = ("gaps", "replays", "replayed_batches", "snapshots", "restarts", "reconnects", "decode_errors")
+    print(json.dumps({"scenario": what, **{f: getattr(health, f) for f in fields}}))  # for docs/reliability.md
+    return health
 
 
 def rank_batch(rank: int, index: int) -> wire.EventBatch:

@@ -134,7 +134,7 @@ def test_truncated_and_flipped_valid_payloads(rank: int, byte: int, cut: int) ->
         wire.AllBlocksCleared(),
     ]
     for encoding in ("map", "array"):
-        good = wire.BatchEncoder(encoding).encode(wire.EventBatch(ts=1.0, events=events, dp_rank=rank))  # type: ignore[arg-type]
+        good = wire.BatchEncoder(encoding).encode(wire.EventBatch(ts=1.0, events=events, dp_rank=rank))
         assert _decode_only_wire_errors(wire.BatchDecoder(), good) is not None
         _decode_only_wire_errors(wire.BatchDecoder(), good[: cut % len(good)])
         flipped = bytearray(good)
@@ -143,7 +143,12 @@ def test_truncated_and_flipped_valid_payloads(rank: int, byte: int, cut: int) ->
 
 
 def _stored(**overrides: Any) -> dict[str, Any]:
-    event = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4]}
+    event: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+    }
     event.update({"block_size": BS, "lora_id": None, "medium": "GPU", **overrides})
     return event
 

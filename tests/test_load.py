@@ -100,7 +100,8 @@ def load(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Load]:
 
 def _check(result: dict[str, Any], duration_s: float) -> dict[str, Any]:
     engines, adapter = result["engines"], result["adapter"]
-    samples = [(t, rss) for t, rss in adapter["samples"] if t >= WARMUP_S]
+    warmup_s = max(WARMUP_S, duration_s / 6)  # the index, buffers and allocator pools fill first
+    samples = [(t, rss) for t, rss in adapter["samples"] if t >= warmup_s]
     base = samples[0][1]
     peak = max(rss for _, rss in samples)
     sent = sum(e["batches_per_rank"] for e in engines) * DP
@@ -121,6 +122,10 @@ def _check(result: dict[str, Any], duration_s: float) -> dict[str, Any]:
         "rss_after_warmup_mb": round(base / 2**20, 1),
         "rss_peak_mb": round(peak / 2**20, 1),
         "rss_growth_pct": round(100 * (peak - base) / base, 1),
+        "warmup_s": warmup_s,
+        "rss_mb_trajectory": [
+            round(rss / 2**20, 1) for _, rss in adapter["samples"][:: max(1, len(adapter["samples"]) // 12)]
+        ],
         "rank_dropped": rank_dropped,
         "fanin_gaps": fanin_gaps,
         "fanin_pub_dropped": sum(e["fanin"]["pub_dropped"] for e in engines),
