@@ -7,7 +7,7 @@ as SGLang's ``array("q")``: 80% start with a stored prompt (full or partial hit)
 are cold.  Loads are random token counts per decision.
 
 Timed per decision: ``choose`` (hashing + index walk + cost over 16 ranks + guard).
-Also: hashing alone (``prompt_keys``), ``hashing.sequence_keys`` on a list (the router's
+Also: hashing alone (``hashing.sequence_keys`` on the array), the same on a list (the router's
 path), and the round-robin baseline: SGLang 0.5.23's own selection cost, i.e. a counter
 modulo the active ranks.  The routing-quality side is bench/routing.py
 (``fold_pinned_dispatch``).
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, percentile  # noqa: E402
-from sglang_kvpub.dispatch import CacheAwareDispatcher, prompt_keys  # noqa: E402
+from sglang_kvpub.dispatch import CacheAwareDispatcher  # noqa: E402
 from sglang_kvpub.hashing import sequence_keys  # noqa: E402
 from sglang_kvpub.wire import BlockStored, EventBatch  # noqa: E402
 
@@ -114,7 +114,7 @@ def main() -> None:
     router_hash_us = []
     for tokens, _ in queries[:1000]:
         t = time.perf_counter_ns()
-        prompt_keys(tokens, args.block_size)
+        sequence_keys(tokens, args.block_size)
         hash_us.append((time.perf_counter_ns() - t) / 1000.0)
         as_list = tokens.tolist()
         t = time.perf_counter_ns()

@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import os
-import sys
 import threading
 import time
 from array import array
@@ -31,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Union
 
 import msgspec
-import xxhash
 from aiohttp import web
 
 from motor_adapter import metrics
@@ -53,7 +51,7 @@ from motor_adapter.scoring import (
     fold_engine_dps,
     select,
 )
-from sglang_kvpub.hashing import BASE_SEED, chain_hashes
+from sglang_kvpub.hashing import chain_hashes, sequence_keys
 from sglang_kvpub.security import RateLimiter
 
 __all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
@@ -64,7 +62,6 @@ _U32_MAX = 0xFFFFFFFF
 _U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
-_xxh3 = xxhash.xxh3_64_intdigest
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
@@ -188,18 +185,6 @@ def u32_tokens(tokens: Sequence[int]) -> array[int]:
         return array("I", tokens)
     except (OverflowError, TypeError) as exc:
         raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
-
-
-def sequence_keys_u32(tokens: array[int], block_size: int) -> list[int]:
-    """``hashing.sequence_keys`` (no LoRA) of u32-packed tokens, hashed straight from the buffer."""
-    step = block_size * 4
-    raw = memoryview(tokens).cast("B")
-    if sys.byteorder != "little":
-        swapped = array("I", tokens)
-        swapped.byteswap()
-        raw = memoryview(swapped).cast("B")
-    full = len(raw) - len(raw) % step
-    return chain_hashes([_xxh3(raw[i : i + step], BASE_SEED) for i in range(0, full, step)], BASE_SEED)
 
 
 # --------------------------------------------------------------------------- state
@@ -363,11 +348,8 @@ class AdapterState:
 
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
-        if isinstance(token_ids, array) and token_ids.typecode == "I":  # the HTTP path: hash the buffer
-            keys = sequence_keys_u32(token_ids, block_size)
-            hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
-        else:
-            hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
+        keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
+        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
         cfg = self.scoring_config(block_size)
         response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
         self.metrics.observe_query(model, response[tenant], len(token_ids) // block_size, started, block_size)

@@ -124,7 +124,15 @@ class ChannelPusher:
         return True
 
     def close(self, linger_ms: int = 500) -> None:
+        self.close_socket(linger_ms)
+        self.close_context()
+
+    def close_socket(self, linger_ms: int = 500) -> None:
+        """From the thread that sends; returns at once (pending frames get ``linger_ms``)."""
         self.socket.close(linger=linger_ms)
+
+    def close_context(self) -> None:
+        """From any thread once the socket is closed; waits up to the linger for an owned context."""
         if self._owns_context:
             self._context.term()
 

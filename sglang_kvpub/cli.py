@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 # Each subcommand lives in its own module with ``add_parser(subparsers)`` and is imported
 # only when listed here, so ``sglang-kvpub tail`` never pays for the demo's imports.
-_SUBCOMMANDS = ("sglang_kvpub.tail", "sglang_kvpub.sidecar", "sglang_kvpub.demo")
+_SUBCOMMANDS = ("sglang_kvpub.tail", "sglang_kvpub.sidecar", "sglang_kvpub.demo", "sglang_kvpub.security")
 
 
 def build_parser() -> argparse.ArgumentParser:

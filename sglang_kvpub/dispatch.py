@@ -30,21 +30,18 @@ blocks, so the lock is never held for a whole large batch.
 from __future__ import annotations
 
 import collections
-import importlib
 import logging
 import math
 import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import xxhash
 
-from sglang_kvpub.hashing import chain_hashes, lora_seed
+from sglang_kvpub.hashing import sequence_keys
 from sglang_kvpub.index import PrefixIndex, TierHit
 from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
 
@@ -63,8 +60,6 @@ __all__ = [
     "DispatchDecision",
     "InflightLoad",
     "CacheAwareDispatcher",
-    "prompt_bytes",
-    "prompt_keys",
     "install_dispatch_hook",
     "attach_dispatcher",
     "feed_from_fanin",
@@ -102,73 +97,6 @@ DISPATCH_TARGETS = (
 CONTROLLER_ATTR = "kvpub_dispatcher"
 LOCAL_INSTANCE = "local"
 SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
-
-_xxh3 = xxhash.xxh3_64_intdigest
-_LITTLE = sys.byteorder == "little"
-_U32 = 0xFFFFFFFF
-
-
-# --------------------------------------------------------------------------- prompt keys
-
-
-_NUMPY: list[Any] = []
-
-
-def _numpy() -> Any:
-    """numpy when importable (always, inside SGLang), else None; imported once, lazily."""
-    if not _NUMPY:
-        try:
-            _NUMPY.append(importlib.import_module("numpy"))
-        except ImportError:
-            _NUMPY.append(None)
-    return _NUMPY[0]
-
-
-def prompt_bytes(token_ids: Sequence[int], limit: int | None = None) -> bytes:
-    """The first ``limit`` (all by default) token ids as little-endian u32, ids cast ``& 0xFFFFFFFF``
-    like :func:`sglang_kvpub.hashing.local_block_hashes` - fast for SGLang's ``array("q")``.
-
-    For 8-byte arrays the low 4 bytes of each little-endian item ARE ``id & 0xFFFFFFFF``:
-    numpy (or strided byte copies without it) takes them without a Python loop per token.
-    """
-    if limit is not None and limit < len(token_ids):
-        token_ids = token_ids[:limit]
-    if isinstance(token_ids, array) and _LITTLE:
-        size = token_ids.itemsize
-        if size == 4:
-            return token_ids.tobytes()  # 'i' and 'I' share their bytes for every id
-        if size == 8:
-            numpy = _numpy()
-            if numpy is not None:  # ~10x faster than the strided copies below
-                return bytes(numpy.frombuffer(token_ids, dtype="<u4")[::2].tobytes())
-            raw = token_ids.tobytes()
-            out = bytearray(len(token_ids) * 4)
-            for byte in range(4):
-                out[byte::4] = raw[byte::8]
-            return bytes(out)
-    try:
-        packed = array("I", token_ids)
-    except (OverflowError, TypeError):
-        packed = array("I", [int(t) & _U32 for t in token_ids])
-    if not _LITTLE:
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def prompt_keys(
-    token_ids: Sequence[int], block_size: int, lora_name: str | None = None, max_blocks: int | None = None
-) -> list[int]:
-    """``hashing.sequence_keys`` (chained keys of full blocks), optionally only the first
-    ``max_blocks``; same values, less work on SGLang's arrays."""
-    blocks = len(token_ids) // block_size
-    if max_blocks is not None:
-        blocks = min(blocks, max_blocks)
-    if blocks <= 0:
-        return []
-    seed = lora_seed(lora_name)
-    raw = prompt_bytes(token_ids, blocks * block_size)
-    step = block_size * 4
-    return chain_hashes([_xxh3(raw[i : i + step], seed) for i in range(0, blocks * step, step)], seed)
 
 
 # --------------------------------------------------------------------------- decisions
@@ -399,17 +327,10 @@ class CacheAwareDispatcher:
 
     def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, TierHit]:
         # Early out for cold prompts (the common case for unique traffic): block 0 first.
-        block_size = self.block_size
-        seed = lora_seed(lora_name)
-        first = _xxh3(prompt_bytes(token_ids, block_size), seed)
-        keys = chain_hashes([first], seed)
-        if not self.index.query_keys(keys, self._instances):
+        first = sequence_keys(token_ids, self.block_size, lora_name, max_blocks=1)
+        if not self.index.query_keys(first, self._instances):
             return {}
-        blocks = len(token_ids) // block_size
-        if blocks > 1:
-            raw = prompt_bytes(token_ids, blocks * block_size)
-            step = block_size * 4
-            keys += chain_hashes([_xxh3(raw[i : i + step], seed) for i in range(step, blocks * step, step)], keys[0])
+        keys = sequence_keys(token_ids, self.block_size, lora_name)
         return self.index.query_keys(keys, self._instances).get(self.instance, {})
 
     def _hotspot(self, order: Sequence[int], loads: Sequence[float], best: int) -> int | None:

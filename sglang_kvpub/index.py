@@ -42,16 +42,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-import struct
 import sys
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
-import xxhash
-
-from .hashing import chain_hashes, local_block_hashes, lora_seed
+from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
@@ -64,11 +61,9 @@ __all__ = [
     "ApplyResult",
     "IndexStats",
     "PrefixIndex",
-    "local_hashes",
 ]
 
 log = logging.getLogger(__name__)
-_xxh3 = xxhash.xxh3_64_intdigest
 
 TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
 TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
@@ -183,27 +178,6 @@ class _Worker:
         self.orphan_logged = False
 
 
-_PACKERS: dict[int, struct.Struct] = {}  # blocks -> packer of that many blocks' token ids
-
-
-def local_hashes(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:
-    """``hashing.local_block_hashes`` (equal results, tested), about twice as fast: a
-    cached ``struct`` packer instead of ``array``; token ids outside u32 take that path."""
-    blocks = len(tokens) // block_size
-    packer = _PACKERS.get(blocks * block_size)
-    if packer is None:
-        if len(_PACKERS) > 512:
-            _PACKERS.clear()
-        packer = _PACKERS[blocks * block_size] = struct.Struct(f"<{blocks * block_size}I")
-    full = blocks * block_size
-    try:
-        raw = memoryview(packer.pack(*(tokens if len(tokens) == full else tokens[:full])))
-    except struct.error:
-        return local_block_hashes(tokens, block_size, seed)
-    step = block_size * 4
-    return [_xxh3(raw[i : i + step], seed) for i in range(0, blocks * step, step)]
-
-
 def _mask(holders: int) -> int:
     """The bitmask of a holders value (``~wid`` for one worker, else a bitmask)."""
     return holders if holders >= 0 else 1 << ~holders
@@ -297,8 +271,7 @@ class PrefixIndex:
         self, token_ids: Sequence[int], lora_name: str | None = None, instances: Collection[str] | None = None
     ) -> dict[str, dict[int, TierHit]]:
         """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0."""
-        seed = lora_seed(lora_name)  # the keys of hashing.sequence_keys, computed faster
-        return self.query_keys(chain_hashes(local_hashes(token_ids, self.block_size, seed), seed), instances)
+        return self.query_keys(sequence_keys(token_ids, self.block_size, lora_name), instances)
 
     def query_keys(
         self, keys: Sequence[int], instances: Collection[str] | None = None
@@ -415,7 +388,7 @@ class PrefixIndex:
                 self._orphan(worker, event, result)
                 return
             parent_key, parent_tier = found
-        keys = chain_hashes(local_hashes(event.token_ids, self.block_size, seed), parent_key)
+        keys = chain_hashes(local_block_hashes(event.token_ids, self.block_size, seed), parent_key)
         tier = self._tier(event.medium)
         mapping = worker.maps[tier]
         masks = self._masks[tier]

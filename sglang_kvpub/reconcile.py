@@ -237,6 +237,7 @@ class Reconciler:
             self._media = media
             self._context = None
             self._page = 0
+            assert self._hasher is not None
             self._pages = self._hasher.pages(node)
 
     def _mark_pages(self) -> None:
@@ -339,7 +340,8 @@ class Reconciler:
             stale = self._stale[medium]
             while stale:
                 chunk = [stale.popleft() for _ in range(min(len(stale), _EMIT_PER_CHECK))]
-                still = [h for h in chunk if marks.get(h, epoch) != epoch]
+                # A restarted scan may list a hash twice: dedupe (later chunks re-check marks).
+                still = [h for h in dict.fromkeys(chunk) if marks.get(h, epoch) != epoch]
                 emit_removed(recorder, tracker, still, medium, f"reconcile_stale_{suffix}")
                 if self.clock() >= deadline:
                     return False

@@ -302,65 +302,96 @@ class RankResidency:
         return events
 
     def iter_snapshot_events(self, max_blocks_per_event: int = 64) -> Iterator[BlockStored]:
-        """``BlockStored`` for every block, media in :data:`MEDIA_ORDER`, parents first.
+        """``BlockStored`` for every block, parents first ACROSS media, media in :data:`MEDIA_ORDER`.
 
-        Lazy: do not mutate this object while iterating (iterate a :meth:`copy`).
-        A block whose parent is not resident in the same medium starts a new root; its
-        ``parent_block_hash`` is still the announced one.
+        A block's parent may live in another medium (a device block whose parent page
+        was demoted to host memory): it is emitted first, so a consumer that resolves
+        parents per rank never meets an unknown parent.  A block whose parent is not
+        resident anywhere starts a new root; its ``parent_block_hash`` is still the
+        announced one.  Lazy: do not mutate this object while iterating (iterate a
+        :meth:`copy`).
         """
         limit = max(1, max_blocks_per_event)
-        for medium in self.media():
-            yield from self._iter_medium(medium, limit)
-
-    def _iter_medium(self, medium: str, limit: int) -> Iterator[BlockStored]:
-        blocks = self._media[medium]
-        emitted: set[int] = set()
+        emitted: dict[str, set[int]] = {medium: set() for medium in self._media}
         pending: BlockStored | None = None
-        for block_hash in blocks:
-            if block_hash in emitted:
-                continue
-            for node in self._unemitted_chain(blocks, block_hash, emitted):
-                emitted.add(node)
-                entry = blocks[node]
-                try:
-                    tokens = _tokens_of(entry)
-                except WireError:  # undecodable raw tokens: left out (children start new roots)
-                    self.invalid_tokens += 1
+        for medium in self.media():
+            for block_hash in self._media[medium]:
+                if block_hash in emitted[medium]:
                     continue
-                extras = self._extras.get((medium, node))
-                parent = _parent_of(entry)
-                if (
-                    pending is not None
-                    and extras is None
-                    and pending.lora_id is None
-                    and pending.lora_name is None
-                    and pending.cache_salt is None
-                    and pending.session_id is None
-                    and parent == pending.block_hashes[-1]
-                    and len(tokens) == pending.block_size
-                    and len(pending.block_hashes) < limit
-                ):
-                    pending.block_hashes.append(node)
-                    pending.token_ids.extend(tokens)
-                    continue
-                if pending is not None:
-                    yield pending
-                pending = _stored(node, parent, tokens, medium, extras)
+                for node_medium, node in self._unemitted_chain(medium, block_hash, emitted):
+                    emitted[node_medium].add(node)
+                    block = self._snapshot_block(node_medium, node)
+                    if block is None:
+                        continue
+                    if pending is not None and _extends(pending, block, limit):
+                        pending.block_hashes.append(node)
+                        pending.token_ids.extend(block.token_ids)
+                        continue
+                    if pending is not None:
+                        yield pending
+                    pending = block
         if pending is not None:
             yield pending
 
-    @staticmethod
-    def _unemitted_chain(blocks: dict[int, bytes], block_hash: int, emitted: set[int]) -> list[int]:
-        """``block_hash`` and its not-yet-emitted ancestors in this medium, root first."""
-        chain = [block_hash]
-        seen = {block_hash}
-        parent = _parent_of(blocks[block_hash])
-        while parent is not None and parent in blocks and parent not in emitted and parent not in seen:
-            chain.append(parent)
-            seen.add(parent)
-            parent = _parent_of(blocks[parent])
+    def _snapshot_block(self, medium: str, block_hash: int) -> BlockStored | None:
+        entry = self._media[medium][block_hash]
+        try:
+            tokens = _tokens_of(entry)
+        except WireError:  # undecodable raw tokens: left out (children start new roots)
+            self.invalid_tokens += 1
+            return None
+        return _stored(block_hash, _parent_of(entry), tokens, medium, self._extras.get((medium, block_hash)))
+
+    def _unemitted_chain(self, medium: str, block_hash: int, emitted: dict[str, set[int]]) -> list[tuple[str, int]]:
+        """``(medium, hash)`` of the block and its not-yet-emitted ancestors, root first.
+
+        The walk stays in the block's medium while it can and crosses to another medium
+        only for a parent not resident (and not yet emitted) in this one.
+        """
+        chain = [(medium, block_hash)]
+        seen = {(medium, block_hash)}
+        parent = _parent_of(self._media[medium][block_hash])
+        while parent is not None:
+            if parent in self._media[medium]:
+                if parent in emitted[medium]:
+                    break
+                owner: str | None = medium
+            elif any(parent in done for done in emitted.values()):
+                break
+            else:
+                owner = self._medium_holding(parent)
+            if owner is None or (owner, parent) in seen:
+                break
+            chain.append((owner, parent))
+            seen.add((owner, parent))
+            medium = owner
+            parent = _parent_of(self._media[owner][parent])
         chain.reverse()
         return chain
+
+    def _medium_holding(self, block_hash: int) -> str | None:
+        for medium in self.media():
+            if block_hash in self._media[medium]:
+                return medium
+        return None
+
+
+def _extends(pending: BlockStored, block: BlockStored, limit: int) -> bool:
+    """Whether ``block`` continues ``pending``'s chain and can be merged into one event."""
+    return (
+        block.medium == pending.medium
+        and block.parent_block_hash == pending.block_hashes[-1]
+        and block.block_size == pending.block_size
+        and len(pending.block_hashes) < limit
+        and block.lora_id is None
+        and block.lora_name is None
+        and block.cache_salt is None
+        and block.session_id is None
+        and pending.lora_id is None
+        and pending.lora_name is None
+        and pending.cache_salt is None
+        and pending.session_id is None
+    )
 
 
 def _stored(block_hash: int, parent: int | None, tokens: list[int], medium: str, extras: _Extras | None) -> BlockStored:

@@ -1,4 +1,4 @@
-"""Cache-aware DP dispatch: decisions, hashing equality, the fan-in feed, and the REAL SGLang
+"""Cache-aware DP dispatch: decisions, the fan-in feed, and the REAL SGLang
 0.5.23 DataParallelController dispatch path (in a child process: it needs the full import)."""
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from sglang_kvpub.dispatch import (
     CacheAwareDispatcher,
     InflightLoad,
     feed_from_fanin,
-    prompt_bytes,
-    prompt_keys,
 )
-from sglang_kvpub.hashing import sequence_keys
 from sglang_kvpub.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -47,26 +44,6 @@ def _store(d: CacheAwareDispatcher, rank: int, tokens: list[int], first_hash: in
     )
     event.medium = medium
     d.observe(EventBatch(time.time(), [event], rank))
-
-
-# --------------------------------------------------------------------------- hashing
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("typecode", ["q", "i", "l", "I", "list"])
-def test_prompt_keys_equal_the_routers_sequence_keys(typecode: str) -> None:
-    tokens = _tokens(5 * BLOCK + 17)
-    data: Any = tokens if typecode == "list" else array(typecode, tokens)
-    assert prompt_keys(data, BLOCK) == sequence_keys(tokens, BLOCK)
-    assert prompt_keys(data, BLOCK, "adapter-a") == sequence_keys(tokens, BLOCK, "adapter-a")
-    assert prompt_keys(data, BLOCK, max_blocks=2) == sequence_keys(tokens, BLOCK)[:2]
-
-
-@pytest.mark.unit
-def test_prompt_bytes_casts_negative_and_wide_ids_like_the_router() -> None:
-    tokens = [-1, 2**32 + 5, 7, 2**40 + 3]
-    assert prompt_bytes(array("q", tokens)) == array("I", [t & 0xFFFFFFFF for t in tokens]).tobytes()
-    assert prompt_keys(array("q", tokens * 32), 4) == sequence_keys(tokens * 32, 4)
 
 
 # --------------------------------------------------------------------------- decisions

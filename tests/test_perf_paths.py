@@ -3,7 +3,7 @@
 - fan-in: rank payloads decoded with token ids left as msgpack (``RawBatch``) build the
   same residency as fully decoded batches; queued residency updates are applied in order,
   also across a rank restart; malformed / untagged payloads still take the full path;
-- service: u32 token packing + buffer hashing give ``hashing.sequence_keys``; bad ids are a
+- service: u32-packed tokens (hashed from their buffer) give the list's ``sequence_keys``; bad ids are a
   400 ``bad_field``;
 - scoring: ``fold_engine_dps`` picks the same rank as the rule it documents.
 """
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motor_adapter.scoring import KvAffinityConfig, fold_engine_dps, weighted_blocks
-from motor_adapter.service import RequestError, sequence_keys_u32, u32_tokens
+from motor_adapter.service import RequestError, u32_tokens
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.fanin import FanIn
@@ -162,7 +162,7 @@ def test_fanin_untagged_and_malformed_payloads_take_the_full_path() -> None:
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=700), st.sampled_from([1, 16, 128]))
 def test_u32_buffer_keys_equal_sequence_keys(tokens: list[int], block_size: int) -> None:
-    assert sequence_keys_u32(u32_tokens(tokens), block_size) == sequence_keys(tokens, block_size)
+    assert sequence_keys(u32_tokens(tokens), block_size) == sequence_keys(tokens, block_size)
 
 
 @pytest.mark.parametrize("bad", [[1, -5], [2**32], [1, "x"]])

@@ -98,3 +98,33 @@ def test_changes_during_walk_are_left_to_events() -> None:
     assert rt.tracker(tree).corrections["reconcile_missing_gpu"] == 0
     assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU]
     assert tree_of(tree).kv_events._queue == []
+
+
+def test_scan_resumes_after_events_resize_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Events between scan slices resize the announced dict: the scan restarts, skips what it
+    checked, and still finds every stale hash (and nothing live)."""
+    import sglang_kvpub.reconcile as rc
+
+    monkeypatch.setattr(rc, "_SCAN_PER_CHECK", 4)
+    tree = _filled(rt.legacy_tree)
+    sub = rt.Subscriber()
+    sub.drain(tree)
+    marks = rt.tracker(tree).announced[MEDIUM_GPU]
+    phantoms = [-(i + 1) for i in range(12)]
+    for phantom in phantoms:
+        marks[phantom] = 0
+    rec = Reconciler(tree, clock=TickClock())
+    rec.step(force=True)
+    while rec.phase != "scan":
+        rec.step()
+    rec.step()  # part of the scan done
+    assert rec.phase == "scan"
+    rt.insert(ns(), tree, [9] * 8 + list(range(700, 740)))  # resizes the announced dict
+    tree.evict(ns().base.EvictParams(num_tokens=40))
+    while rec.walking:
+        rec.step()
+    sub.drain(tree)
+    assert rt.tracker(tree).corrections["reconcile_stale_gpu"] == len(phantoms)
+    assert rt.tracker(tree).corrections["reconcile_missing_gpu"] == 0
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU]
+    assert drift(tree) == 0

@@ -185,11 +185,53 @@ def test_snapshot_rebuilds_any_history(history: list[tuple[str, int, bool]]) -> 
 
 
 def _in_cycle(res: RankResidency, start: int, medium: str) -> bool:
-    seen = {start}
+    """Whether following parents (same medium first, else any medium holding it) loops:
+    random hashes can collide into cycles, for which no parents-first order exists."""
+    seen = {(medium, start)}
     node = res.parent(start, medium)
-    while node is not None and res.contains(node, medium):
-        if node in seen:
+    while node is not None:
+        holders = [m for m in res.counts() if res.contains(node, m)]
+        if not holders:
+            return False
+        medium = medium if medium in holders else holders[0]
+        if (medium, node) in seen:
             return True
-        seen.add(node)
+        seen.add((medium, node))
         node = res.parent(node, medium)
     return False
+
+
+def test_snapshot_emits_a_parent_held_only_in_another_medium_first() -> None:
+    """A device block whose parent page was demoted to host memory: parent first, so a
+    consumer resolving parents per rank never meets an unknown one."""
+    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.wire import EventBatch
+
+    tokens = [[10 * b + j for j in range(4)] for b in range(3)]
+    live = [
+        BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=tokens[0] + tokens[1], block_size=4),
+        BlockStored(block_hashes=[3], parent_block_hash=2, token_ids=tokens[2], block_size=4),
+        BlockStored(
+            block_hashes=[1, 2],
+            parent_block_hash=None,
+            token_ids=tokens[0] + tokens[1],
+            block_size=4,
+            medium="CPU_PINNED",
+        ),
+        BlockRemoved(block_hashes=[2], medium="GPU"),  # demoted: host copy stays, device child 3 stays
+    ]
+    residency = RankResidency()
+    live_index = PrefixIndex(block_size=4)
+    for event in live:
+        residency.apply(event)
+        live_index.apply_event("i", 0, event)
+    snapshot = residency.snapshot_events()
+    order = [(e.medium, h) for e in snapshot if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert order.index(("CPU_PINNED", 2)) < order.index(("GPU", 3))
+    rebuilt = PrefixIndex(block_size=4)
+    result = rebuilt.apply_batch("i", EventBatch(ts=0.0, events=snapshot), dp_rank=0)
+    assert result.orphans == 0
+    prompt = [t for block in tokens for t in block]
+    assert rebuilt.query(prompt) == live_index.query(prompt)
+    for medium in ("GPU", "CPU_PINNED"):
+        assert rebuilt.resident("i", 0, medium) == live_index.resident("i", 0, medium)
