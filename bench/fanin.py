@@ -224,6 +224,9 @@ def main() -> int:
 
     direct_at = dict(results["direct"][1])
     added = [(t - direct_at[k]) * 1000 for k, t in results["instance"][1] if k in direct_at]
+    # Diagnostics: each arm's own latency from the batch's publish-time stamp (same clock).
+    instance_lat = [(t - k[1]) * 1000 for k, t in results["instance"][1]]
+    direct_lat = [(t - k[1]) * 1000 for k, t in results["direct"][1]]
 
     def rate_of(arrivals: list[tuple[tuple[int, float], float]]) -> float:
         if len(arrivals) < 2:
@@ -245,6 +248,13 @@ def main() -> int:
         "latency_phase_offered": args.ranks * args.rate * args.seconds,
         "added_latency_mean_ms": round(statistics.fmean(added), 4) if added else None,
         "throughput_phase_batches": {"instance": len(results["instance"][2]), "direct": len(results["direct"][2])},
+        "instance_latency_p50_p99_ms": [round(percentile(instance_lat, q), 4) for q in (0.5, 0.99)]
+        if instance_lat
+        else None,
+        "direct_latency_p50_p99_ms": [round(percentile(direct_lat, q), 4) for q in (0.5, 0.99)] if direct_lat else None,
+        "throughput_phase_end_lag_ms": round((results["instance"][2][-1][1] - results["direct"][2][-1][1]) * 1000, 1)
+        if results["instance"][2] and results["direct"][2]
+        else None,
         "fanin_gaps": sum(r["gaps"] for r in fanin_stats["ranks"].values()),
     }
     print(json.dumps(line), flush=True)

@@ -318,7 +318,8 @@ def test_kill_9_rank_others_keep_flowing_restart_detected(cluster_factory: Calla
 
     mark = len(sub.msgs)
     cluster.start_rank(1, -1, interval_s=0.01)  # same rank, new process: new rank epoch
-    sub.pump_until(lambda: any(b.dp_rank == 1 and b.events for _, b, _ in sub.msgs[mark:]))
+    # the fan-in's AllBlocksCleared for the restarted rank, then its first new batch
+    sub.pump_until(lambda: sum(1 for _, b, _ in sub.msgs[mark:] if b.dp_rank == 1 and b.events) >= 2)
     rank1 = [b for _, b, _ in sub.msgs[mark:] if b.dp_rank == 1]
     assert [type(e) for e in rank1[0].events] == [wire.AllBlocksCleared]  # stale blocks dropped first
     check_rank_batch(rank1[1], 1, 0)
