@@ -170,12 +170,14 @@ def reconcile(ns: Any, make: Any, pages: int) -> dict[str, Any]:
     cpu: list[float] = []
     wall: list[float] = []
     gc_slices = 0
+    phases: list[str] = []
     gc.callbacks.append(on_gc)
     start = time.perf_counter()
     try:
         force = True
         while force or rec.walking:
             before = len(pauses)
+            phases.append(rec.phase)
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             rec.step(force=force)
             c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
@@ -193,6 +195,7 @@ def reconcile(ns: Any, make: Any, pages: int) -> dict[str, Any]:
         "slice_cpu_ms": _summary(cpu, 3),
         "slice_wall_ms": _summary(wall, 3),
         "slices_with_gc": gc_slices,
+        "max_cpu_slice_phase": phases[cpu.index(max(cpu))],
         "walk_s": round(total, 3),
         "fixed_stale": corrections["reconcile_stale_gpu"],
         "fixed_missing": corrections["reconcile_missing_gpu"],
