@@ -15,6 +15,7 @@ query and every stored event, hence the fast paths in :func:`tokens_u32`.
 
 from __future__ import annotations
 
+import importlib
 import struct
 import sys
 from collections.abc import Sequence
@@ -42,6 +43,7 @@ _LITTLE = sys.byteorder == "little"
 _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # native-order integer buffer formats (array, numpy)
 _PACKERS: dict[int, struct.Struct] = {}  # token count -> "<{n}I" packer (format parsing is costly)
 _PACKERS_MAX = 512
+_NUMPY: list[Any] = []  # [numpy module or None], once looked up
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -72,13 +74,24 @@ def _pack(tokens: Sequence[int]) -> bytes:
         return packer.pack(*[t & _U32 for t in tokens])
 
 
+def _numpy() -> Any:
+    """numpy when importable (always loaded inside SGLang), else None; looked up once, lazily:
+    only 8-byte id buffers (SGLang's ``array("q")``) need it, and they work without."""
+    if not _NUMPY:
+        try:
+            _NUMPY.append(importlib.import_module("numpy"))
+        except ImportError:
+            _NUMPY.append(None)
+    return _NUMPY[0]
+
+
 def _low_words(view: memoryview) -> bytes:
     """The low 4 bytes of each little-endian 8-byte item: exactly ``id & 0xFFFFFFFF``."""
-    numpy = sys.modules.get("numpy")  # only when already loaded (always, inside SGLang): never imported here
+    numpy = _numpy()
     if numpy is not None:  # ~7x faster than the strided copies below
         return bytes(numpy.frombuffer(view, dtype="<u4")[::2].tobytes())
-    raw = view.cast("B")
-    out = bytearray(len(view) * 4)
+    raw = view.tobytes()  # bytes: strided copies out of a memoryview go item by item
+    out = bytearray(len(raw) // 2)
     for byte in range(4):
         out[byte::4] = raw[byte::8]
     return bytes(out)
@@ -103,7 +116,7 @@ def _buffer_u32(tokens: Any) -> bytes | memoryview | None:
 def tokens_u32(tokens: Sequence[int], limit: int | None = None) -> bytes | memoryview:
     """The first ``limit`` (all by default) token ids as little-endian u32 bytes, ids cast
     ``& 0xFFFFFFFF``.  Takes Python lists and tuples, ``array`` of any integer typecode and
-    other integer buffers (numpy); numpy is used when already imported, never required.
+    other integer buffers (numpy); numpy is used when importable, never required.
 
     4-byte buffers come back as a view of the caller's buffer (no copy; an ``array`` cannot
     be resized while the view lives): ``bytes()`` it to keep it.

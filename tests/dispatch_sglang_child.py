@@ -11,14 +11,11 @@ own ``TypeBasedDispatcher`` (``init_dispatcher``) and received with SGLang's ``s
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from array import array
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sglang_real
+import sglang_real  # this script's directory (tests/) is sys.path[0]
 
 RANKS = 16
 BLOCK = 128

@@ -6,7 +6,7 @@ from array import array
 from collections import defaultdict
 from typing import Any
 
-import rh_sglang
+import sglang_real
 
 from sglang_kvpub.release_hooks import install_release_hooks, node_block_hashes, node_resident, tracker_of, tree_of
 from sglang_kvpub.residency import RankResidency
@@ -33,17 +33,19 @@ class CpuAllocator:
 
 
 def setup() -> Any:
-    """Stand-ins, SGLang modules, release hooks installed (direct wrap); returns a namespace."""
-    rh_sglang.prepare()
-    import importlib
+    """SGLang's tree-cache modules (through sglang_real), release hooks installed (direct wrap); a namespace."""
+    sglang_real.load_radix_cache()  # the full strategy, and the page-hash implementation for this machine
+
+    def load(name: str) -> Any:
+        return sglang_real.load_module(f"sglang.srt.mem_cache.{name}", sglang_real.RADIX_DEPS)
 
     ns = type("SG", (), {})()
-    ns.radix = importlib.import_module("sglang.srt.mem_cache.radix_cache")
-    ns.base = importlib.import_module("sglang.srt.mem_cache.base_prefix_cache")
-    ns.unified = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
-    ns.core = importlib.import_module("sglang.srt.mem_cache.unified_cache.unified_tree_core")
-    ns.params = importlib.import_module("sglang.srt.mem_cache.cache_init_params")
-    ns.ct = importlib.import_module("sglang.srt.mem_cache.unified_cache.component_type").ComponentType
+    ns.radix = load("radix_cache")
+    ns.base = load("base_prefix_cache")
+    ns.unified = load("unified_radix_cache")
+    ns.core = load("unified_cache.unified_tree_core")
+    ns.params = load("cache_init_params")
+    ns.ct = load("unified_cache.component_type").ComponentType
     install_release_hooks(None)
     return ns
 

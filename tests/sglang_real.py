@@ -18,6 +18,14 @@ strategies exist and a process uses exactly one of them, chosen by its first loa
 ``KVPUB_SGLANG_MODE=full|light`` forces the strategy of ``load_kv_events``; by default
 it is ``full`` when the full dependencies are installed, else ``light``.
 
+A light process that loads SGLang's plugin system (``load_plugins``) can ask for a
+placeholder ``sglang.srt.server_args`` (``prepare("light", server_args_placeholder=True)``):
+the real one needs torch, and the plugin's CLI hooks only need a class to target.
+
+This is the only loader of SGLang for tests and benches: the tree-cache fixtures
+(``rh_trees.py``), the plugin tests' child scripts and every other child process come
+through here (``import sglang_real`` or :func:`sglang_bootstrap_code`).
+
 RadixCache block hashes come from SGLang's C++ extension, JIT-compiled by torch on
 first use (g++, ninja, OpenSSL headers; ~30 s once, then cached in
 ``$TORCH_EXTENSIONS_DIR``).  SGLang has no Python fallback, so where that toolchain is
@@ -210,8 +218,29 @@ def _install_light_stubs() -> None:
         sys.modules[name] = module
 
 
-def prepare(mode: Mode) -> None:
-    """Sets this process up for ``mode`` without importing SGLang itself (cheap)."""
+class _PlaceholderServerArgs:
+    """Stands for ``ServerArgs`` in light processes that never parse arguments."""
+
+    @staticmethod
+    def add_cli_args(parser: Any) -> None:
+        raise AssertionError("placeholder: argument parsing is not part of this test")
+
+    @classmethod
+    def from_cli_args(cls, args: Any) -> Any:
+        raise AssertionError("placeholder: argument parsing is not part of this test")
+
+
+def _install_server_args_placeholder() -> None:
+    module = types.ModuleType("sglang.srt.server_args")
+    module.ServerArgs = _PlaceholderServerArgs  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+
+
+def prepare(mode: Mode, server_args_placeholder: bool = False) -> None:
+    """Sets this process up for ``mode`` without importing SGLang itself (cheap).
+    ``server_args_placeholder`` (light only) stands in for ``sglang.srt.server_args``."""
+    if server_args_placeholder and mode != "light":
+        raise ValueError("the server_args placeholder exists for light mode only")
     committed = current_mode()
     if committed is not None and committed != mode:
         raise SglangUnavailable(
@@ -224,6 +253,8 @@ def prepare(mode: Mode) -> None:
             raise SglangUnavailable(f"light mode needs {', '.join(missing)}")
         if committed is None:
             _install_light_stubs()
+        if server_args_placeholder:
+            _install_server_args_placeholder()
         return
     missing = missing_modules(FULL_DEPS)
     if missing:
@@ -412,7 +443,9 @@ def probe_modules(names: Sequence[str]) -> dict[str, str]:
 # --------------------------------------------------------------------------- child processes
 
 
-def sglang_bootstrap_code(mode: Mode = "light", hash_impl: str | None = None) -> str:
+def sglang_bootstrap_code(
+    mode: Mode = "light", hash_impl: str | None = None, server_args_placeholder: bool = False
+) -> str:
     """Python source a child process runs first to get this module's environment, e.g.
     ``subprocess.run([sys.executable, "-c", sglang_bootstrap_code("light") + body])``.
     Afterwards ``sglang_real`` is importable and ``load_kv_events()`` uses ``mode``."""
@@ -423,7 +456,7 @@ def sglang_bootstrap_code(mode: Mode = "light", hash_impl: str | None = None) ->
     ]
     if hash_impl:
         lines.append(f"_os.environ[{_ENV_HASH!r}] = {hash_impl!r}")
-    lines += ["import sglang_real", f"sglang_real.prepare({mode!r})", ""]
+    lines += ["import sglang_real", f"sglang_real.prepare({mode!r}, {server_args_placeholder!r})", ""]
     return "\n".join(lines)
 
 

@@ -2,7 +2,7 @@
 
 Integration tests run SGLang 0.5.23's own modules (plugin loader, HookRegistry, argument
 parsing, publisher factory, describe_kv_events_publisher) in fresh interpreters; see
-tests/plugin_sglang_env.py for how they load on a CPU-only machine.
+tests/sglang_real.py for how they load on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -24,20 +24,19 @@ from typing import Any
 import pytest
 import zmq
 from conftest import free_port_block, free_tcp_port
-from plugin_sglang_env import TESTS_DIR, full_loads, sglang_dir
+from sglang_real import TESTS_DIR, requires_sglang_full, requires_sglang_kv_events
 
 from sglang_kvpub import plugin, sglang_compat, wire
 from sglang_kvpub.config import ConfigError
 from sglang_kvpub.sglang_compat import IncompatibleSGLang, Topology
 
-HAVE_SGLANG = sglang_dir() is not None
-needs_sglang = pytest.mark.skipif(not HAVE_SGLANG, reason="sglang is not installed")
+needs_sglang = requires_sglang_kv_events
 PAGE = 128
 
 PRELUDE = f"""
 import json, os, sys, time
-sys.path.insert(0, {TESTS_DIR!r})
-import plugin_sglang_env as env_loader
+sys.path.insert(0, {str(TESTS_DIR)!r})
+import sglang_real
 PARAMS = json.loads(os.environ["KVPUB_TEST_PARAMS"])
 """
 
@@ -215,7 +214,7 @@ def test_entry_point_is_discoverable_from_the_installed_distribution() -> None:
 
 
 LOADER_BODY = """
-env_loader.light(server_args_placeholder=True)
+sglang_real.prepare("light", server_args_placeholder=True)
 from sglang.srt.plugins import load_plugins
 from sglang.srt.plugins.hook_registry import HookRegistry
 load_plugins()
@@ -272,7 +271,7 @@ def test_sglang_loader_applies_the_plugin_in_a_fresh_interpreter(allowlist: str,
 
 CLI_BODY = """
 import contextlib, io, runpy
-env_loader.full()
+sglang_real.prepare("full")
 out = {}
 # `python -m sglang.launch_server --help` in this fresh interpreter: its __main__ calls
 # load_plugins() before parsing, so the help lists --plugin.
@@ -330,7 +329,7 @@ print(json.dumps(out))
 
 @pytest.mark.integration
 @needs_sglang
-@pytest.mark.skipif(not full_loads(), reason="needs torch (CPU) to import sglang.srt.server_args")
+@requires_sglang_full
 @pytest.mark.timeout(200)
 def test_plugin_flag_through_sglang_real_argument_parsing() -> None:
     config = json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5600"})
@@ -371,7 +370,7 @@ def test_plugin_flag_through_sglang_real_argument_parsing() -> None:
 # =========================================================================== integration: stream
 
 RANK_BODY = """
-env_loader.light(server_args_placeholder=True)
+sglang_real.prepare("light", server_args_placeholder=True)
 import sglang_kvpub.sglang_compat as compat
 p = PARAMS
 # The scheduler's runtime context needs a loaded model; state what it would say.

@@ -17,14 +17,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 TESTS = Path(__file__).resolve().parent
 
-# Runs in a fresh interpreter: real SGLang tree classes (rh_sglang stand-ins for unused
-# third-party modules), SGLang's real HookRegistry, the plugin enabled through its env var.
+# Runs in a fresh interpreter: real SGLang tree classes (loaded through sglang_real),
+# SGLang's real HookRegistry, the plugin enabled through its env var.
 _CHILD = """
 import json, sys, types
 sys.path.insert(0, {tests!r})
-import rh_sglang
-rh_sglang.prepare()
-rh_sglang.radix_cache_module()
+import sglang_real
+sglang_real.load_radix_cache()
 if {scheduler}:
     sys.modules.setdefault("sglang.srt.managers.scheduler", types.ModuleType("sglang.srt.managers.scheduler"))
 from sglang.srt.plugins.hook_registry import HookRegistry

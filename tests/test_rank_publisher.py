@@ -168,3 +168,55 @@ def test_publish_never_blocks_without_a_fanin() -> None:
         assert stats["dropped"] > 0 and stats["sent"] + stats["dropped"] == 2000
     finally:
         publisher.shutdown(timeout_s=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_ranks_of_one_process_share_one_sender(pull: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, sock = pull
+    config = PluginConfig(heartbeat_s=60)
+    ranks = [RankPublisher(config, rank, 4, endpoint) for rank in range(3)]
+    try:
+        sender = ranks[0]._sender
+        assert all(publisher._sender is sender for publisher in ranks) and sender._thread is not None
+        for index in range(5):
+            for publisher in ranks:
+                publisher.publish(wire.EventBatch(ts=float(index), events=[wire.AllBlocksCleared()]))
+        seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        epochs = {}
+        for _ in range(15):
+            rank, epoch, seq, payload = recv(sock)
+            seen[rank].append(seq)
+            epochs[rank] = epoch
+            assert wire.BatchDecoder().decode(payload).dp_rank == rank
+        assert seen == {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3, 4], 2: [0, 1, 2, 3, 4]}
+        assert epochs == {publisher.dp_rank: publisher.rank_epoch for publisher in ranks}
+        ranks[0].shutdown()  # the others keep being served
+        ranks[2].publish(wire.EventBatch(ts=9.0, events=[]))
+        assert recv(sock)[:3:2] == (2, 5)
+    finally:
+        for publisher in ranks:
+            publisher.shutdown()
+    deadline = time.monotonic() + 10.0
+    while sender._thread is not None and time.monotonic() < deadline:  # the last shutdown ends it
+        time.sleep(0.01)
+    assert sender._thread is None
+    again = RankPublisher(config, 7, 4, endpoint)  # and a new publisher starts a new one
+    try:
+        assert again._sender._thread is not None
+        again.publish(wire.EventBatch(ts=1.0, events=[]))
+        assert recv(sock)[:3:2] == (7, 0)
+    finally:
+        again.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_flushes_what_is_queued(pull: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, sock = pull
+    publisher = RankPublisher(PluginConfig(heartbeat_s=60), 3, 4, endpoint)
+    for index in range(200):
+        publisher.publish(wire.EventBatch(ts=float(index), events=[]))
+    publisher.shutdown(timeout_s=10.0)
+    publisher.publish(wire.EventBatch(ts=0.0, events=[]))  # after shutdown: ignored
+    assert [recv(sock)[2] for _ in range(200)] == list(range(200))
+    assert not sock.poll(50)
+    assert publisher.stats["sent"] == 200 and publisher.stats["dropped"] == 0
