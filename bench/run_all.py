@@ -2,7 +2,7 @@
 
     python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
-Each bench (wire, fanin, residency, index, service, routing) runs as a subprocess of this
+Each bench (wire, fanin, residency, index, service, dispatch, routing) runs as a subprocess of this
 interpreter from the repository root, with a timeout; a bench script that does not exist yet
 is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
 Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
@@ -54,6 +54,7 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench("index", "bench/index.py", quick=(("--blocks", "100000"), ("--queries", "200"), ("--no-memory", None))),
     Bench("service", "bench/service.py", quick=(("--seconds", "1"), ("--rounds", "1"), ("--clients", "16"))),
+    Bench("dispatch", "bench/dispatch.py", quick=(("--decisions", "300"), ("--prompts", "20"))),
     Bench(
         "routing",
         "bench/routing.py",

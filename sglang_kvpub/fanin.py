@@ -338,7 +338,14 @@ class FanIn:
             state.rank_epoch = rank_epoch
             state.late_join = rank_seq != 0
             if state.late_join:
-                log.info("kvpub fan-in: rank %d joined at rank_seq %d (fan-in started after it)", dp_rank, rank_seq)
+                # The rank's publisher sees this fan-in's connection as a reconnection and
+                # re-announces its residency (AllBlocksCleared, then stores) as normal batches.
+                log.info(
+                    "kvpub fan-in: rank %d joined at rank_seq %d (fan-in started after it); "
+                    "expecting a resync (its blocks re-announced) from that rank",
+                    dp_rank,
+                    rank_seq,
+                )
         else:
             if rank_epoch != state.rank_epoch:
                 self._restart(dp_rank, state, rank_epoch)

@@ -21,6 +21,15 @@ gap in this rank's sequence.  A PUSH that would block (fan-in gone, HWM reached)
 dropped and counted the same way.  Each publisher picks a random 64-bit rank epoch at
 start so the fan-in recognises a restarted rank.  When a rank is idle, the sender sends
 a rank heartbeat (empty payload) every ``heartbeat_s`` so the fan-in can report dead ranks.
+
+Fan-in restarts.  A socket monitor on the PUSH socket reports each completed connection
+handshake with the fan-in's PULL.  The first is the normal start; any later one means a
+new fan-in process (or a broken connection re-made) that never saw the blocks announced
+before it: the publisher then requests a *resync* - a thread-safe flag
+(:meth:`RankPublisher.take_resync_request`, and for the scheduler process
+:func:`take_resync_request`, which the idle-time reconciliation reads), a counter in
+``stats`` and the optional ``on_resync`` callback.  The sender thread reads the monitor
+without blocking after each drain and at least every ``_WATCH_S`` while idle.
 """
 
 from __future__ import annotations
@@ -32,21 +41,96 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from queue import Empty, SimpleQueue
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from sglang_kvpub.channel import ChannelPusher
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, enrich_batch
 
-__all__ = ["RankPublisher"]
+__all__ = ["RankPublisher", "take_resync_request"]
 
 log = logging.getLogger(__name__)
 
 _Item = tuple[int, Any]  # (rank_seq, batch)
+# A completed ZMTP handshake: the peer is a live ZMQ socket (libzmq >= 4.3), else a TCP/ipc connect.
+_PEER_EVENT = int(getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED))
+_WATCH_S = 1.0  # an idle sender reads the monitor at least this often
+
+
+# --------------------------------------------------------------------------- resync requests
+
+_resync_lock = threading.Lock()
+_resync_pending = False
+
+
+def take_resync_request() -> bool:
+    """True once after any publisher of this process saw its fan-in reconnect (then cleared).
+
+    The scheduler's idle-time reconciliation polls it (one rank per SGLang process)."""
+    global _resync_pending
+    with _resync_lock:
+        pending, _resync_pending = _resync_pending, False
+    return pending
+
+
+def _request_resync() -> None:
+    global _resync_pending
+    with _resync_lock:
+        _resync_pending = True
+
+
+class _PeerWatch:
+    """Counts handshakes of a PUSH socket with its PULL peer (a socket monitor, read NOBLOCK).
+
+    The monitor must exist before the socket connects, or the first handshake could be
+    missed and the first *re*connection taken for the normal start: :class:`ChannelPusher`
+    connects in its constructor, so it gets its socket from :meth:`socket`, which attaches
+    the monitor first."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self.context = context
+        self.monitor: zmq.Socket[bytes] | None = None
+        self.connects = 0
+
+    def socket(self, kind: int) -> zmq.Socket[bytes]:
+        """``Context.socket`` for the pusher: the socket comes with its monitor attached."""
+        socket: zmq.Socket[bytes] = self.context.socket(kind)
+        try:
+            self.monitor = socket.get_monitor_socket(_PEER_EVENT)
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            raise
+        return socket
+
+    def reconnections(self) -> int:
+        """Handshakes since the last call, not counting the very first one (non-blocking)."""
+        fresh = 0
+        assert self.monitor is not None
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                if parse_monitor_message(frames)["event"] == _PEER_EVENT:
+                    fresh += 1
+            except (ValueError, KeyError, TypeError):  # not a monitor message: ignore
+                continue
+        before, self.connects = self.connects, self.connects + fresh
+        return fresh - 1 if before == 0 and fresh else fresh
+
+    def close(self, socket: zmq.Socket[bytes]) -> None:
+        """Sender thread, before the PUSH socket is closed."""
+        with contextlib.suppress(zmq.ZMQError):
+            socket.disable_monitor()
+        if self.monitor is not None:
+            self.monitor.close(linger=0)
 
 
 class RankPublisher:
@@ -58,7 +142,10 @@ class RankPublisher:
         channel_endpoint: str,
         *,
         context: zmq.Context[Any] | None = None,
+        on_resync: Callable[[], None] | None = None,
     ) -> None:
+        """``on_resync``: called from the sender thread once per fan-in reconnection; it must
+        be cheap and thread-safe (it may call :meth:`publish`; exceptions are logged)."""
         self.config = config
         self.dp_rank = dp_rank
         self.block_size = block_size
@@ -75,11 +162,23 @@ class RankPublisher:
         self._published = 0
         self._queue_dropped = 0
         self._encode_errors = 0
+        self._resync_requested = False
+        self._resyncs = 0
+        self._on_resync = on_resync
         self._next_beat = time.monotonic() + config.heartbeat_s  # sender-owned
         self._encoder = BatchEncoder(config.event_encoding)
         self._foreign_encoder = msgspec.msgpack.Encoder()
         self._decoder = BatchDecoder()
-        self._pusher = ChannelPusher(channel_endpoint, config.hwm, context)
+        self._owns_context = context is None
+        self._context = context or zmq.Context()
+        self._peer = _PeerWatch(self._context)
+        try:
+            # The watch stands in for the context (only ``socket()`` is called): the pusher's
+            # socket is monitored before it connects.  The context stays ours to term.
+            self._pusher = ChannelPusher(channel_endpoint, config.hwm, cast("zmq.Context[Any]", self._peer))
+        except BaseException:
+            self._term_context()
+            raise
         self._sender = _Sender.of_process()
         self._lock = self._sender.lock  # one lock: publish() callers and the sender
         self._sender.register(self)
@@ -123,7 +222,23 @@ class RankPublisher:
                     self._abandoned = True
                     log.warning("kvpub rank %d: shutdown flush timed out after %.1f s", self.dp_rank, timeout_s)
                     return
-        self._pusher.close_context()
+        self._term_context()
+
+    def _term_context(self) -> None:
+        """Once the sockets are closed; waits up to the linger for pending frames."""
+        if self._owns_context:
+            self._context.term()
+
+    @property
+    def resync_requested(self) -> bool:
+        """A fan-in reconnection was seen and not yet taken."""
+        return self._resync_requested
+
+    def take_resync_request(self) -> bool:
+        """True once per pending request (this publisher only; see :func:`take_resync_request`)."""
+        with self._lock:
+            pending, self._resync_requested = self._resync_requested, False
+        return pending
 
     @property
     def stats(self) -> dict[str, int]:
@@ -137,6 +252,8 @@ class RankPublisher:
             "queue_depth": len(self._queue),
             "rank_seq": self._next_seq - 1,
             "rank_epoch": self.rank_epoch,
+            "peer_connects": self._peer.connects,
+            "resyncs_requested": self._resyncs,
         }
 
     # ------------------------------------------------------------------ sender side
@@ -158,6 +275,31 @@ class RankPublisher:
                 pusher.send(rank, epoch, seq, payload)
         self._next_beat = now + self.config.heartbeat_s
 
+    def _watch(self) -> None:
+        """Sender thread, outside the lock (``on_resync`` may publish): fan-in reconnections."""
+        if self._closed.is_set():
+            return
+        count = self._peer.reconnections()
+        if not count:
+            return
+        with self._lock:
+            self._resync_requested = True
+            self._resyncs += count
+        _request_resync()
+        log.warning(
+            "kvpub rank %d: the fan-in on %s reconnected (a new fan-in?): resync requested",
+            self.dp_rank,
+            self.channel_endpoint,
+        )
+        callback = self._on_resync
+        if callback is None:
+            return
+        for _ in range(count):
+            try:
+                callback()
+            except Exception:  # a broken callback must not stop the sender
+                log.exception("kvpub rank %d: on_resync callback failed", self.dp_rank)
+
     def _beat(self, now: float) -> None:
         """Under the lock, queue empty: an idle rank's heartbeat takes the next seq."""
         seq = self._next_seq
@@ -170,9 +312,10 @@ class RankPublisher:
         terms the context unless it has given up waiting."""
         self._queue_dropped += len(self._queue)
         self._queue.clear()
+        self._peer.close(self._pusher.socket)
         if self._abandoned:
             self._pusher.close_socket(0)
-            self._pusher.close_context()
+            self._term_context()
         else:
             self._pusher.close_socket(self._linger_ms)
         self._closed.set()
@@ -213,8 +356,11 @@ class _Sender:
     @classmethod
     def _forget(cls) -> None:
         """After fork: the parent's thread does not exist in the child."""
+        global _resync_lock, _resync_pending
         cls._current = None
         cls._guard = threading.Lock()
+        _resync_lock = threading.Lock()
+        _resync_pending = False
 
     def register(self, publisher: RankPublisher) -> None:
         with self.lock:
@@ -230,6 +376,7 @@ class _Sender:
         while True:
             for publisher in list(self._publishers):  # snapshot: register() may append
                 publisher._drain(time.monotonic())
+                publisher._watch()
             with self.lock:
                 deadline = self._housekeep(time.monotonic())
                 if deadline is None:
@@ -244,7 +391,7 @@ class _Sender:
 
     def _housekeep(self, now: float) -> float | None:
         """Under the lock: heartbeats, closes; the next deadline, or None when work is queued."""
-        deadline = now + 3600.0
+        deadline = now + _WATCH_S
         busy = False
         for publisher in list(self._publishers):
             if publisher._queue:

@@ -21,6 +21,14 @@ many new container objects drive Python's cyclic GC):
 3. *Emit*: stale hashes as ``BlockRemoved``, missing nodes as single-block
    ``BlockStored`` (token ids, parent), in chunks, each re-checked first.
    Corrections are counted per cause on the tracker.
+
+*Resync* (:meth:`Reconciler.resync`, e.g. after the rank publisher saw a new fan-in):
+``AllBlocksCleared`` is enqueued into SGLang's queue (the tracker forgets everything
+announced), then every resident page is re-announced as single-page ``BlockStored``
+(GPU and CPU_PINNED), parents first, in the same bounded slices.  A node's children are
+taken only once the node itself is re-announced, so a store SGLang records meanwhile
+for a new child always follows its parent's re-announcement (no orphan downstream);
+each chunk re-checks that the node is still attached, unsplit and resident first.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from sglang_kvpub.rank_publisher import take_resync_request
 from sglang_kvpub.release_hooks import (
     Tracker,
     _event_classes,
@@ -46,7 +55,15 @@ from sglang_kvpub.release_hooks import (
 )
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
-__all__ = ["device_pages", "drift", "Reconciler", "IDLE_TARGET", "install_reconcile_hook", "reconcile_on_idle"]
+__all__ = [
+    "device_pages",
+    "drift",
+    "Reconciler",
+    "IDLE_TARGET",
+    "RESYNC_FANIN",
+    "install_reconcile_hook",
+    "reconcile_on_idle",
+]
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 _PAGES_PER_CHECK = 16  # pages hashed between clock reads (~2-3 us each)
@@ -56,7 +73,8 @@ _EMIT_PER_CHECK = 256  # stale hashes emitted between clock reads
 _MARGIN = 0.75  # stop at this fraction of the budget: one unit of work may follow the check
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 
-_IDLE, _WALK, _SCAN, _EMIT = "idle", "walk", "scan", "emit"
+_IDLE, _WALK, _SCAN, _EMIT, _RESYNC = "idle", "walk", "scan", "emit", "resync"
+RESYNC_FANIN = "fanin_reconnect"  # resync cause: the rank publisher saw a new fan-in
 # (device, host) residency -> media to mark (constants: no allocation per node).
 _MEDIA_OF: dict[tuple[bool, bool], tuple[str, ...]] = {
     (False, False): (),
@@ -143,9 +161,12 @@ class Reconciler:
         self._skip = 0
         self._removals_base = 0
         self._stale: dict[str, collections.deque[int]] = {m: collections.deque() for m in _MEDIA}
+        self._resync: _Resync | None = None
         self.walks = 0
         self.slices = 0
         self.max_slice_s = 0.0
+        self.resyncs: collections.Counter[str] = collections.Counter()  # cause -> resyncs started
+        self.resyncs_done = 0
 
     @property
     def tracker(self) -> Tracker:
@@ -161,14 +182,52 @@ class Reconciler:
         while self.walking:
             self.step()
 
+    def resync(self, cause: str = RESYNC_FANIN) -> bool:
+        """Starts a full re-announcement (a repair in progress is dropped); False if disabled.
+
+        The ``AllBlocksCleared`` is enqueued now; the stores follow in :meth:`step` slices."""
+        recorder = self.tree.kv_events
+        if not recorder.enabled:
+            return False
+        self._reset_walk()
+        tracker = self.tracker
+        tracker.absorb(recorder._queue)
+        clear = getattr(recorder, "record_all_cleared", None)
+        if clear is not None:
+            clear()
+        else:
+            recorder.enqueue(_event_classes(recorder).AllBlocksCleared())
+        tracker.absorb(recorder._queue)  # forgets every announced hash
+        self.resyncs[cause] += 1
+        self._begin()
+        self.resyncs_done += 1
+        return True
+
+    def _reset_walk(self) -> None:
+        self._stack.clear()
+        self._parents.clear()
+        self._node = self._context = self._iter = self._store = self._resync = None
+        self._skip = 0
+        for queue in (*self._missing.values(), *self._stale.values()):
+            queue.clear()
+        self.phase = _IDLE
+
     def step(self, force: bool = False) -> bool:
-        """One slice; returns True when a repair finished in this slice."""
+        """One slice; returns True when a repair (or resync) finished in this slice."""
         recorder = self.tree.kv_events
         if not recorder.enabled:
             return False
         start = self.clock()
         deadline = start + self.budget_s * _MARGIN
         try:
+            if self.phase == _RESYNC:
+                assert self._resync is not None
+                if not self._resync.step(self.clock, deadline):
+                    return False
+                self._resync = None
+                self.phase = _IDLE
+                self.resyncs_done += 1
+                return True
             if self.phase == _IDLE:
                 if not force and drift(self.tree) == 0:
                     return False
@@ -406,6 +465,7 @@ class _StoreCursor:
         optional = {"cache_salt": node.key.cache_salt, "session_id": None, "lora_name": lora_name}
         self.extra = {k: v for k, v in optional.items() if k in fields}
         self.medium = _sglang_medium(module, medium)
+        self.medium_name = medium
         self.done = self.pages == 0
 
     def next_chunk(self, announced: dict[int, int], count: int) -> list[Any]:
@@ -475,6 +535,85 @@ def _stores_for(recorder: Any, node: Any, announced: dict[int, int], medium: str
     return out
 
 
+class _Resync:
+    """Re-announces every resident page of the tree, pre-order, in bounded chunks."""
+
+    def __init__(self, tree: Any, hasher: _PageHasher) -> None:
+        self.tree = tree
+        self.hasher = hasher
+        root = tree.root_node
+        self.stack: list[tuple[Any, Any]] = [(child, root) for child in root.children.values()]
+        self.node: Any = None
+        self.parent: Any = None
+        self.length = 0
+        self.cursors: list[_StoreCursor] = []
+
+    def step(self, clock: Callable[[], float], deadline: float) -> bool:
+        """Works until ``deadline``; True once every page is re-announced."""
+        while True:
+            if self.node is not None:
+                self._emit_chunk()
+            elif self.stack:
+                self._open(*self.stack.pop())
+            else:
+                return True
+            if clock() >= deadline:
+                return False
+
+    def _open(self, node: Any, expected: Any) -> None:
+        parent = node.parent
+        if not _is_child(self.tree, parent, node):
+            return  # evicted since the push
+        if parent is not expected:  # split since the push: the new parent first
+            self.stack.append((parent, expected))
+            return
+        self.node, self.parent, self.length = node, parent, len(node.key)
+        recorder = self.tree.kv_events
+        if self.hasher.fast:
+            self.cursors = [_StoreCursor(recorder, self.hasher, node, m) for m in _MEDIA_OF[node_resident(node)]]
+        else:  # whole node at once, with SGLang's own record_store
+            for medium in _MEDIA_OF[node_resident(node)]:
+                events = _stores_for(recorder, node, {}, medium)
+                emit_stored(recorder, tracker_of(recorder), events, _resync_cause(medium))
+            self.cursors = []
+
+    def _emit_chunk(self) -> None:
+        node = self.node
+        if not self._unchanged(node):
+            self._reopen(node)
+            return
+        cursors = [c for c in self.cursors if not c.done]
+        if not cursors:  # re-announced on every medium: now its children
+            self.stack.extend((child, node) for child in node.children.values())
+            self.node, self.cursors = None, []
+            return
+        cursor = cursors[0]
+        device, host = node_resident(node)
+        if not (device if cursor.medium_name == MEDIUM_GPU else host):
+            cursor.done = True  # left this medium meanwhile (SGLang announced it)
+            return
+        recorder = self.tree.kv_events
+        tracker = tracker_of(recorder)
+        events = cursor.next_chunk({}, _PAGES_PER_CHECK)
+        emit_stored(recorder, tracker, events, _resync_cause(cursor.medium_name))
+
+    def _unchanged(self, node: Any) -> bool:
+        return node.parent is self.parent and len(node.key) == self.length and _is_child(self.tree, self.parent, node)
+
+    def _reopen(self, node: Any) -> None:
+        """Split or evicted mid-node: redo from the node now at its place (a duplicate
+        store is harmless), or drop it when it is gone."""
+        self.node, self.cursors = None, []
+        if _is_child(self.tree, node.parent, node):
+            parent = node.parent
+            if parent is self.parent or _is_child(self.tree, self.parent, parent):
+                self.stack.append((parent if parent is not self.parent else node, self.parent))
+
+
+def _resync_cause(medium: str) -> str:
+    return "resync_gpu" if medium == MEDIUM_GPU else "resync_cpu"
+
+
 # --------------------------------------------------------------------------- idle hook
 
 
@@ -491,6 +630,8 @@ def reconcile_on_idle(scheduler: Any, budget_s: float = 0.001) -> None:
     if reconciler is None:
         reconciler = Reconciler(core, budget_s)
         core.__dict__["_kvpub_reconciler"] = reconciler
+    if take_resync_request():
+        reconciler.resync(RESYNC_FANIN)
     reconciler.step()
 
 
