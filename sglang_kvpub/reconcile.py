@@ -199,8 +199,8 @@ class Reconciler:
             recorder.enqueue(_event_classes(recorder).AllBlocksCleared())
         tracker.absorb(recorder._queue)  # forgets every announced hash
         self.resyncs[cause] += 1
-        self._begin()
-        self.resyncs_done += 1
+        self._resync = _Resync(self.tree, _PageHasher(recorder))
+        self.phase = _RESYNC
         return True
 
     def _reset_walk(self) -> None:

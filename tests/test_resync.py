@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import types
@@ -289,6 +290,7 @@ def test_new_fanin_converges_through_idle_resync_on_real_tree(kind: str, ctx: zm
         gap = tree_truth(tree)[wire.MEDIUM_GPU] - reader.resident(wire.MEDIUM_GPU)
         assert len(gap) > 50  # B knows nearly nothing of the tree before the resync
         assert fanin_b.stats()["ranks"][0]["late_join"] is True
+        orphans = reader.index.stats().orphans
 
         # The scheduler goes idle: the idle hook takes the request and resyncs in slices,
         # while new requests still come in between slices.
@@ -323,6 +325,65 @@ def test_new_fanin_converges_through_idle_resync_on_real_tree(kind: str, ctx: zm
         snapshot = snapshot_index(ctx, config.replay_endpoint or "")
         assert snapshot.resident(INSTANCE, 0, wire.MEDIUM_GPU) == final[wire.MEDIUM_GPU]
         assert not take_resync_request() and reconciler.step() is False  # nothing more to do
+        outcome = {
+            "tree": kind,
+            "gpu_pages_before_restart": len(truth[wire.MEDIUM_GPU]),
+            "unknown_at_b_before_resync": len(gap),
+            "orphans_at_b_before_resync": orphans,
+            "resync_pages": rt.tracker(tree).corrections["resync_gpu"],
+            "slices": reconciler.slices,
+            "idle_iterations": idle,
+            "inserts_during_resync": inserts,
+            "gpu_pages_final": len(final[wire.MEDIUM_GPU]),
+            "index_orphans_total": reader.index.stats().orphans,
+        }
+        print(json.dumps(outcome))
     finally:
         publisher.shutdown()
         fanins[-1].stop()
+
+
+@pytest.mark.timeout(40)
+def test_resync_reannounces_gpu_and_host_pages_of_real_unified_core() -> None:
+    """HiCache L2 on the real Python UnifiedTreeCore (fake host pool, as in
+    test_release_l2_trace): a subscriber that saw nothing before the resync ends with
+    exactly the tree's GPU and CPU_PINNED pages, with demotions and load-backs between slices."""
+    pytest.importorskip("torch")
+    pytest.importorskip("sglang")
+    pytest.importorskip("hypothesis")
+    import rh_trees as rt
+    from test_release_l2_trace import HostDriver, _backup_all
+
+    from sglang_kvpub.reconcile import Reconciler, drift
+
+    ns()
+    driver = HostDriver()
+    for i in range(6):
+        rt.insert(ns(), driver.tree, list(range(1, 9)) + [100 * (i + 1) + j for j in range(12)])
+    _backup_all(driver, ack=True)
+    for leaf in driver.device_leaves()[:3]:
+        driver.evict_device_leaf(leaf)  # demoted: host only
+    driver.tree.take_events()  # announced to the old fan-in; the new one never saw them
+    before = rt.truth(driver.tree)
+    assert before[wire.MEDIUM_GPU] and before[wire.MEDIUM_CPU] - before[wire.MEDIUM_GPU]
+
+    fresh = rt.Subscriber()
+    reconciler = Reconciler(driver.tree, clock=TickClock())
+    assert reconciler.resync("test")
+    slices = 0
+    while not reconciler.step():
+        slices += 1
+        assert slices < 5000
+        if slices == 3:
+            driver.load_back(driver.load_back_candidates()[0])  # host -> device meanwhile
+        if slices == 6:
+            driver.evict_device_leaf(driver.device_leaves()[0])  # device -> host meanwhile
+        fresh.drain(driver.tree)
+    fresh.drain(driver.tree)
+    assert slices > 6
+    truth = rt.truth(driver.tree)
+    assert fresh.media()[wire.MEDIUM_GPU] == truth[wire.MEDIUM_GPU]
+    assert fresh.media()[wire.MEDIUM_CPU] == truth[wire.MEDIUM_CPU]
+    corrections = rt.tracker(driver.tree).corrections
+    assert corrections["resync_cpu"] >= len(before[wire.MEDIUM_CPU]) - 4 and corrections["resync_gpu"] > 0
+    assert reconciler.resyncs == {"test": 1} and drift(driver.tree) == 0
