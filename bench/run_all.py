@@ -206,6 +206,117 @@ def table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One issue target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
+
+    bench: str
+    figure: str
+    op: str  # ">=" or "<="
+    limit: float | str  # a number, or another figure of the same record (with ``factor``/``offset``)
+    factor: float = 1.0
+    offset: float = 0.0
+    where: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        if isinstance(self.limit, str):
+            bound = f"{self.factor:g} x {self.limit}" + (f" + {self.offset:g}" if self.offset else "")
+        else:
+            bound = f"{self.limit:g}"
+        return f"{self.op} {bound}"
+
+    def check(self, record: dict[str, Any]) -> tuple[Any, bool | None]:
+        value = record.get(self.figure)
+        bound = record.get(self.limit) if isinstance(self.limit, str) else self.limit
+        if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
+            return value, None
+        bound = bound * self.factor + self.offset
+        return value, (value >= bound if self.op == ">=" else value <= bound)
+
+
+# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10).
+TARGETS: tuple[Target, ...] = (
+    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
+    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "array"),)),
+    Target("fanin", "added_latency_p99_ms", "<=", 1.0),
+    Target("fanin", "throughput_ratio_vs_direct", ">=", 0.8),
+    Target("residency", "step_overhead_us_median", "<=", 20.0),
+    Target("residency", "reconcile_slice_ms_max", "<=", 1.0),
+    Target("index", "ingest_blocks_per_s", ">=", 300_000),
+    Target("index", "query_p99_us", "<=", 500.0),
+    Target("index", "bytes_per_entry", "<=", 200.0),
+    Target("service", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
+    Target("dispatch", "decision_us_p50", "<=", 50.0),
+    Target(
+        "routing",
+        "hit_ratio_vs_oracle",
+        ">=",
+        0.95,
+        where=(("policy", "fold_pinned"), ("trace", "conversation_trace.jsonl")),
+    ),
+)
+
+
+def target_rows(report: dict[str, Any]) -> list[str]:
+    """A markdown table: every target with the measured value and whether it is met."""
+    lines = ["| bench | figure | measured | target | met |", "|---|---|---|---|---|"]
+    for target in TARGETS:
+        records = [
+            record
+            for bench in report["benches"]
+            if bench["name"] == target.bench
+            for record in bench["records"]
+            if all(record.get(key) == value for key, value in target.where)
+        ]
+        label = target.figure + "".join(f" ({value})" for _, value in target.where)
+        for record in records[:1]:
+            value, met = target.check(record)
+            verdict = {True: "yes", False: "**no**", None: "?"}[met]
+            lines.append(f"| {target.bench} | {label} | {_cell(value)} | {target.describe()} | {verdict} |")
+        if not records:
+            lines.append(f"| {target.bench} | {label} | - | {target.describe()} | not run |")
+    return lines
+
+
+def routing_rows(report: dict[str, Any]) -> list[str]:
+    """Every routing policy's headline figures, per trace."""
+    columns = ("trace", "policy", "hit_ratio", "hit_ratio_vs_oracle", "prefill_tokens", "ttft_p50_s", "ttft_p90_s")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for bench in report["benches"]:
+        if bench["name"] == "routing":
+            for record in bench["records"]:
+                lines.append("| " + " | ".join(_cell(record.get(key)) for key in columns) + " |")
+    return lines
+
+
+README_START = "<!-- bench:start -->"
+README_END = "<!-- bench:end -->"
+
+
+def update_readme(report: dict[str, Any], readme: Path) -> bool:
+    """Rewrites the README block between the bench markers; False when the markers are absent."""
+    text = readme.read_text(encoding="utf-8")
+    if README_START not in text or README_END not in text:
+        return False
+    block = [
+        README_START,
+        f"Measured by `{report['command']}` on {report['generated']} on this project's CI machine kind "
+        f"({report['machine']['cpus']} CPUs, no accelerator); every figure of every bench is in "
+        "[bench/results/latest.md](bench/results/latest.md).",
+        "",
+        *target_rows(report),
+        "",
+        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank):",
+        "",
+        *routing_rows(report),
+        README_END,
+    ]
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(head + "\n".join(block) + tail, encoding="utf-8")
+    return True
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Benchmark results",
@@ -214,6 +325,10 @@ def markdown(report: dict[str, Any]) -> str:
         f"({report['machine']['cpus']} CPUs, Python {report['machine']['python']}"
         f"{', quick mode: scaled down' if report['quick'] else ''}).",
         "Each table holds every figure the bench printed; the command above it reproduces it.",
+        "",
+        "## Targets",
+        "",
+        *target_rows(report),
         "",
     ]
     for bench in report["benches"]:
@@ -242,7 +357,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out-dir", type=Path, default=None, help="default bench/results (bench/results/quick with --quick)"
     )
+    parser.add_argument("--readme", action="store_true", help="also rewrite README.md's benchmark block")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="render an existing latest.json instead of running the benches"
+    )
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        report = json.loads(args.from_json.read_text(encoding="utf-8"))
+        (args.from_json.parent / "latest.md").write_text(markdown(report), encoding="utf-8")
+        if args.readme and not update_readme(report, ROOT / "README.md"):
+            parser.error(f"README.md has no {README_START} ... {README_END} block")
+        return 0
     out_dir: Path = args.out_dir or (HERE / "results" / "quick" if args.quick else HERE / "results")
     wanted = {name.strip() for name in args.only.split(",") if name.strip()}
     unknown = wanted - {b.name for b in BENCHES}
@@ -273,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
+    if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):
+        print("run_all: rewrote the benchmark block of README.md", file=sys.stderr)
     failed = [r["name"] for r in results if r["status"] in ("failed", "timeout")]
     return 1 if failed else 0
 
