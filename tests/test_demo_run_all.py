@@ -55,3 +55,39 @@ def test_files_a_bench_writes_follow_the_out_dir(tmp_path: Path) -> None:
     assert cmd is not None and cmd[cmd.index("--out-dir") + 1] == str(tmp_path)
     default = run_all.command_for(routing, quick=False, out_dir=run_all.HERE / "results")
     assert default is not None and "--out-dir" not in default
+
+
+def _report(records: dict[str, list[dict[str, object]]]) -> dict[str, object]:
+    return {
+        "command": "python bench/run_all.py",
+        "generated": "now",
+        "quick": False,
+        "machine": {"cpus": 2, "python": "3.11"},
+        "benches": [{"name": name, "status": "ok", "records": recs} for name, recs in records.items()],
+    }
+
+
+def test_target_table_says_met_or_not_including_relative_targets() -> None:
+    report = _report(
+        {
+            "service": [{"query_p99_ms": 5.0, "noop_p99_ms": 2.0}],
+            "dispatch": [{"decision_us_p50": 40.0}],
+            "wire": [{"encoding": "map", "decode_ratio": 0.5}],
+        }
+    )
+    rows = "\n".join(run_all.target_rows(report))  # type: ignore[arg-type]
+    assert "| service | query_p99_ms | 5 | <= 2 x noop_p99_ms + 0.3 | **no** |" in rows
+    assert "| dispatch | decision_us_p50 | 40 | <= 50 | yes |" in rows
+    assert "| wire | decode_ratio (map) | 0.5 | >= 0.8 | **no** |" in rows
+    assert "| index | ingest_blocks_per_s | - | >= 300000 | not run |" in rows
+
+
+def test_readme_block_is_rewritten_between_the_markers_only(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{run_all.README_START}\nold\n{run_all.README_END}\noutro\n", encoding="utf-8")
+    assert run_all.update_readme(_report({"dispatch": [{"decision_us_p50": 40.0}]}), readme)  # type: ignore[arg-type]
+    text = readme.read_text(encoding="utf-8")
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old" not in text
+    assert "| dispatch | decision_us_p50 | 40 | <= 50 | yes |" in text
+    readme.write_text("no markers\n", encoding="utf-8")
+    assert not run_all.update_readme(_report({}), readme)  # type: ignore[arg-type]
