@@ -87,7 +87,7 @@ def test_readme_block_is_rewritten_between_the_markers_only(tmp_path: Path) -> N
     readme.write_text(f"intro\n{run_all.README_START}\nold\n{run_all.README_END}\noutro\n", encoding="utf-8")
     assert run_all.update_readme(_report({"dispatch": [{"decision_us_p50": 40.0}]}), readme)  # type: ignore[arg-type]
     text = readme.read_text(encoding="utf-8")
-    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "old" not in text
+    assert text.startswith("intro\n") and text.endswith("\noutro\n") and "\nold\n" not in text
     assert "| dispatch | decision_us_p50 | 40 | <= 50 | yes |" in text
     readme.write_text("no markers\n", encoding="utf-8")
     assert not run_all.update_readme(_report({}), readme)  # type: ignore[arg-type]
