@@ -6,11 +6,15 @@ clients in ANOTHER process post Motor-shaped msgpack ``/query`` bodies. The base
 no-op endpoint (reads the body, answers ``{}``) of the same app - same aiohttp stack,
 same middleware - measured in the same run, phases interleaved. Prints one JSON line:
 
-    {"bench": "service", "query_p50_ms", "query_p99_ms", "query_rps", "noop_p99_ms", "noop_rps"}
+    {"bench": "service", "query_p50_ms", "query_p99_ms", "query_rps", "noop_p99_ms", "noop_rps", ...}
+
+``query_cpu_us`` / ``noop_cpu_us``: the server process's CPU time per request in each phase
+(read before and after every phase). Unlike the latencies they hardly move when other
+processes load the machine, so they tell a server-side change from noise.
 
 Target: query_p99_ms <= 2 * noop_p99_ms + 0.3.
 
-    python bench/service.py [--clients 64] [--seconds 3] [--tokens 4096]
+    python bench/service.py [--clients 64] [--seconds 1] [--rounds 6] [--tokens 4096]
 """
 
 from __future__ import annotations
@@ -47,44 +51,59 @@ def _prompt(rng: random.Random, tokens: int) -> list[int]:
 # --------------------------------------------------------------------------- client process
 
 
-async def _phase(url: str, body: bytes, clients: int, seconds: float) -> tuple[list[float], float]:
-    import aiohttp
+async def _server_cpu(session: Any, base: str) -> float:
+    async with session.get(base + "/_cpu") as response:
+        return float(await response.text())
 
+
+async def _phase(
+    session: Any, base: str, name: str, body: bytes, clients: int, seconds: float
+) -> tuple[list[float], float, float]:
+    """Latencies, elapsed seconds and the server's CPU seconds of one phase."""
     latencies: list[float] = []
     stop_at = time.perf_counter() + seconds
     headers = {"Content-Type": "application/msgpack"}
-    connector = aiohttp.TCPConnector(limit=clients)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+    url = f"{base}/{name}"
 
-        async def worker() -> None:
-            while time.perf_counter() < stop_at:
-                start = time.perf_counter()
-                async with session.post(url, data=body, headers=headers) as response:
-                    await response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"{url}: HTTP {response.status}")
-                latencies.append(time.perf_counter() - start)
+    async def worker() -> None:
+        while time.perf_counter() < stop_at:
+            start = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {response.status}")
+            latencies.append(time.perf_counter() - start)
 
-        began = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(clients)))
-        elapsed = time.perf_counter() - began
-    return latencies, elapsed
+    cpu_before = await _server_cpu(session, base)
+    began = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    elapsed = time.perf_counter() - began
+    cpu = await _server_cpu(session, base) - cpu_before
+    return latencies, elapsed, cpu
 
 
 def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: float, rounds: int, out: Any) -> None:
-    results: dict[str, list[Any]] = {"query": [[], 0.0, 0], "noop": [[], 0.0, 0]}
+    results: dict[str, list[Any]] = {"query": [[], 0.0, 0, 0.0], "noop": [[], 0.0, 0, 0.0]}
 
     async def run() -> None:
-        await _phase(base + "/query", bodies["query"], clients, 0.5)  # warm-up: connections, caches
-        for _ in range(rounds):
-            for name in ("noop", "query"):
-                lat, elapsed = await _phase(base + "/" + name, bodies[name], clients, seconds)
-                results[name][0].extend(lat)
-                results[name][1] += elapsed
-                results[name][2] += len(lat)
+        import aiohttp
+
+        # ONE session for the run, as a router keeps its connections: a session per phase put
+        # 64 TCP handshakes into every phase's latencies (over 1% of a query phase's requests).
+        connector = aiohttp.TCPConnector(limit=clients)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+            for name in ("noop", "query"):  # warm-up: connections, caches
+                await _phase(session, base, name, bodies[name], clients, 0.5)
+            for _ in range(rounds):  # short phases, interleaved: background load hits both alike
+                for name in ("noop", "query"):
+                    lat, elapsed, cpu = await _phase(session, base, name, bodies[name], clients, seconds)
+                    results[name][0].extend(lat)
+                    results[name][1] += elapsed
+                    results[name][2] += len(lat)
+                    results[name][3] += cpu
 
     asyncio.run(run())
-    out.send({k: (v[0], v[1], v[2]) for k, v in results.items()})
+    out.send({k: tuple(v) for k, v in results.items()})
     out.close()
 
 
@@ -158,7 +177,11 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         await request.read()
         return web.json_response({})
 
+    async def cpu(request: web.Request) -> web.Response:
+        return web.Response(text=repr(time.process_time()))
+
     app.router.add_post("/noop", noop)
+    app.router.add_get("/_cpu", cpu)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = _free_port()
@@ -182,12 +205,23 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         await runner.cleanup()
     out: dict[str, Any] = {"bench": "service"}
     for name in ("query", "noop"):
-        latencies, elapsed, count = results[name]
+        latencies, elapsed, count, cpu_s = results[name]
         ms = [x * 1000 for x in latencies]
         out[f"{name}_p50_ms"] = round(percentile(ms, 50), 3)
         out[f"{name}_p99_ms"] = round(percentile(ms, 99), 3)
         out[f"{name}_rps"] = round(count / elapsed, 1) if elapsed else 0.0
-    order = ["bench", "query_p50_ms", "query_p99_ms", "query_rps", "noop_p99_ms", "noop_rps", "noop_p50_ms"]
+        out[f"{name}_cpu_us"] = round(cpu_s / count * 1e6, 1) if count else 0.0
+    order = [
+        "bench",
+        "query_p50_ms",
+        "query_p99_ms",
+        "query_rps",
+        "noop_p99_ms",
+        "noop_rps",
+        "noop_p50_ms",
+        "query_cpu_us",
+        "noop_cpu_us",
+    ]
     record = {k: out[k] for k in order}
     record.update(
         clients=args.clients,
@@ -202,8 +236,8 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--seconds", type=float, default=3.0, help="per phase")
-    parser.add_argument("--rounds", type=int, default=2, help="noop/query phase pairs, interleaved")
+    parser.add_argument("--seconds", type=float, default=1.0, help="per phase")
+    parser.add_argument("--rounds", type=int, default=6, help="noop/query phase pairs, interleaved")
     parser.add_argument("--tokens", type=int, default=4096, help="prompt length of each /query")
     parser.add_argument("--instances", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=16)

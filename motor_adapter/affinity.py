@@ -116,6 +116,7 @@ class KvAffinity:
         self._factory = subscriber_factory
         self._context = context if context is not None else zmq.Context.instance()
         self._instances: dict[str, _Instance] = {}
+        self._known: tuple[str, ...] = ()  # the followed ids, replaced (never mutated) under _lock
         self._lock = threading.Lock()  # guards _instances; the index guards itself
         self._closed = False
 
@@ -151,6 +152,7 @@ class KvAffinity:
         with self._lock:
             stale = self._instances.get(instance_id)
             self._instances[instance_id] = dataclasses.replace(wanted, subscribers=subscribers)
+            self._known = tuple(self._instances)
         if stale is not None:  # a concurrent add won the race: ours replaces it
             _stop_all(stale.subscribers)
         _log.info("following instance %s on %s (compat_dp_size=%s)", instance_id, endpoint, compat_dp_size)
@@ -202,6 +204,7 @@ class KvAffinity:
         """Stops the instance's subscribers, then forgets its blocks; False if it was unknown."""
         with self._lock:
             entry = self._instances.pop(instance_id, None)
+            self._known = tuple(self._instances)
         if entry is None:
             return False
         _stop_all(entry.subscribers)  # joined first, so no batch lands after the clear
@@ -235,6 +238,14 @@ class KvAffinity:
             return {}
         found = self.index.query_keys(list(keys), instances=known)
         return {instance: dict(found.get(instance, {})) for instance in known}
+
+    def hits_for_keys(self, keys: list[int]) -> Mapping[str, Mapping[int, TierCounts]]:
+        """:meth:`query_keys` for read-only callers (the HTTP hot path): no copies, and an
+        instance with nothing cached is simply absent."""
+        known = self._known  # one atomic read of an immutable tuple: no lock on the hot path
+        if not known or not keys:
+            return {}
+        return self.index.query_keys(keys, instances=known)
 
     def select(
         self,

@@ -10,7 +10,7 @@ import bisect
 import math
 from collections.abc import Iterable, Sequence
 
-__all__ = ["Counter", "Gauge", "Histogram", "Registry", "LATENCY_BUCKETS_S"]
+__all__ = ["Counter", "Gauge", "Histogram", "Labels", "Registry", "LATENCY_BUCKETS_S"]
 
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 3.0)
 Labels = tuple[tuple[str, str], ...]
@@ -59,6 +59,7 @@ class Counter(_Metric):
     def __init__(self, name: str, help_text: str) -> None:
         super().__init__(name, help_text)
         self._values: dict[Labels, float] = {}
+        self._cells: dict[Labels, list[float]] = {}  # series counted through cell()
 
     def inc(self, amount: float = 1.0, **labels: object) -> None:
         key = _key(labels)
@@ -68,11 +69,28 @@ class Counter(_Metric):
         """Hot-path ``inc``: ``labels`` already sorted by name, values already strings."""
         self._values[labels] = self._values.get(labels, 0.0) + amount
 
+    def cell(self, labels: Labels) -> list[float]:
+        """The live one-item total of a series (``labels`` as for ``inc_labels``): a caller that
+        keeps it counts with ``cell[0] += n``, no label hashing per count. Creates the series."""
+        found = self._cells.get(labels)
+        if found is None:
+            found = self._cells[labels] = [self._values.pop(labels, 0.0)]
+        return found
+
+    def items(self) -> dict[Labels, float]:
+        """Every series and its value."""
+        out = dict(self._values)
+        for labels, cell in self._cells.items():
+            out[labels] = out.get(labels, 0.0) + cell[0]
+        return out
+
     def value(self, **labels: object) -> float:
-        return self._values.get(_key(labels), 0.0)
+        key = _key(labels)
+        cell = self._cells.get(key)
+        return self._values.get(key, 0.0) + (cell[0] if cell is not None else 0.0)
 
     def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self._values.items())]
+        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self.items().items())]
 
 
 class Gauge(Counter):
@@ -81,10 +99,13 @@ class Gauge(Counter):
     kind = "gauge"
 
     def set(self, value: float, **labels: object) -> None:
-        self._values[_key(labels)] = value
+        key = _key(labels)
+        self._values[key] = value
+        self._cells.pop(key, None)
 
     def clear(self) -> None:
         self._values.clear()
+        self._cells.clear()
 
 
 class Histogram(_Metric):

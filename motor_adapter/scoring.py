@@ -38,6 +38,7 @@ __all__ = [
     "FoldedHit",
     "KvAffinityConfig",
     "TierCounts",
+    "best_rank",
     "conductor_response",
     "fold_engine_dps",
     "matched_tokens",
@@ -264,21 +265,33 @@ def fold_engine_dps(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> Fo
     One rank's figures are reported as they are: blocks held by different ranks are never
     added up, because a request runs on one rank.
     """
+    found = best_rank(hits, cfg)
+    if found is None:
+        return None
+    rank, hit, weighted = found
+    return FoldedHit(rank, hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks, weighted)
+
+
+def best_rank(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> tuple[int, TierCounts, float] | None:
+    """:func:`fold_engine_dps` without building a :class:`FoldedHit`: ``(rank, hit, weighted)``."""
     w_npu, w_cpu, w_disk = cfg.w_npu, cfg.w_cpu, cfg.w_disk
     best: TierCounts | None = None
-    best_rank = 0
-    best_key: tuple[float, int, int, int] | None = None
-    for rank, hit in hits.items():  # hot: 8 instances x 16 ranks per query, one FoldedHit at the end
+    best_w = 0.0
+    best_npu = best_total = best_rank_ = 0
+    for rank, hit in hits.items():  # hot: every instance's ranks on every query, no allocation per rank
         npu, cpu, disk = hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks
+        weighted = npu * w_npu + cpu * w_cpu + disk * w_disk  # == weighted_blocks(hit, cfg)
+        if best is not None and weighted < best_w:
+            continue
         total = npu + cpu + disk
         if total <= 0:
             continue
-        key = (npu * w_npu + cpu * w_cpu + disk * w_disk, npu, total, -rank)  # == weighted_blocks(hit, cfg)
-        if best_key is None or key > best_key:
-            best_key, best, best_rank = key, hit, rank
-    if best is None or best_key is None:
+        # (weighted, npu, total, -rank) compared lexicographically; ties are the rare case.
+        if best is None or weighted > best_w or (npu, total, -rank) > (best_npu, best_total, -best_rank_):
+            best, best_w, best_npu, best_total, best_rank_ = hit, weighted, npu, total, rank
+    if best is None:
         return None
-    return FoldedHit(best_rank, best.npu_blocks, best.cpu_blocks, best.disk_blocks, best_key[0])
+    return best_rank_, best, best_w
 
 
 # --------------------------------------------------------------------------- decision
@@ -504,8 +517,9 @@ def conductor_response(
         dps = _listed_dps(instance, hits, registered_dps, fold)
         entries: dict[str, dict[str, Any]] = {}
         if fold and len(dps) == 1:
-            folded = fold_engine_dps(hits, weights)
-            entries[str(dps[0])] = _dp_entry(folded, folded.dp_rank if folded else None, block_size)
+            found = best_rank(hits, weights)
+            rank, hit = (found[0], found[1]) if found else (None, None)
+            entries[str(dps[0])] = _dp_entry(hit, rank, block_size)
         else:
             for dp in dps:
                 entries[str(dp)] = _dp_entry(hits.get(dp), dp, block_size)

@@ -47,7 +47,7 @@ from motor_adapter.scoring import (
     ConfigError,
     KvAffinityConfig,
     TierCounts,
-    conductor_response,
+    best_rank,
     fold_engine_dps,
     select,
 )
@@ -196,6 +196,41 @@ class _Index:
     users: dict[str, set[tuple[str, str, str, int]]]  # stream URL -> registration keys
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One registered instance as ``/query`` renders it at one block_size."""
+
+    instance: str
+    dps: list[int]  # registered dps, sorted
+    keys: tuple[str, ...]  # the same as JSON keys
+    streams: tuple[tuple[int, str], ...]  # (dp, stream URL) of the registrations usable at this block_size
+    single: bool  # one registration: its stream's engine ranks fold into its dp
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What a query of ``(model, tenant, block_size)`` needs, grouped once per registration change."""
+
+    regs: list[Registration]
+    affinity: Union[KvAffinity, None]
+    plans: tuple[_Plan, ...]
+
+
+_VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
+
+
+def _plans(regs: Sequence[Registration], block_size: int) -> tuple[_Plan, ...]:
+    groups: dict[str, list[Registration]] = {}
+    for reg in regs:  # registration order: the response lists instances in it
+        groups.setdefault(reg.instance_id, []).append(reg)
+    plans = []
+    for instance, members in groups.items():
+        dps = sorted(r.dp_rank for r in members)
+        usable = tuple((r.dp_rank, r.stream) for r in members if r.block_size == block_size and r.stream is not None)
+        plans.append(_Plan(instance, dps, tuple(str(dp) for dp in dps), usable, len(members) == 1))
+    return tuple(plans)
+
+
 def _source(reg: Registration) -> tuple[Any, ...]:
     """What a subscription depends on: equal sources share one subscriber and its index."""
     return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
@@ -219,6 +254,7 @@ class AdapterState:
         self._indexes: dict[tuple[str, str, int], _Index] = {}
         self._tokenizers: dict[str, Any] = {}
         self._configs: dict[int, KvAffinityConfig] = {}
+        self._views: dict[tuple[str, str, int], _View] = {}  # cleared on every registration change
         self.metrics = _Metrics()
 
     # ------------------------------------------------------------------ registration
@@ -230,6 +266,7 @@ class AdapterState:
             if old is not None and old.same_as(reg):
                 return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
             self._registrations[reg.key] = reg
+            self._views.clear()
             if old is None or _source(old) != _source(reg):
                 # Same stream (e.g. Motor's pool-mode re-registration repeating the URL under
                 # cpu/disk): the record changes, the subscription and its index stay.
@@ -283,6 +320,8 @@ class AdapterState:
             for reg in gone:
                 del self._registrations[reg.key]
                 self._detach(reg)
+            if gone:
+                self._views.clear()
         return len(gone)
 
     def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]:
@@ -310,10 +349,28 @@ class AdapterState:
             entries = list(self._indexes.values())
             self._indexes.clear()
             self._registrations.clear()
+            self._views.clear()
         for entry in entries:
             entry.affinity.close()
 
     # ------------------------------------------------------------------ queries
+
+    def _view(self, model: str, tenant: str, block_size: int) -> _View:
+        """The cached grouping of ``(model, tenant)``'s registrations; 404 ``NoIndexer`` without any."""
+        key = (model, tenant, block_size)
+        view = self._views.get(key)  # lock-free read: a registration change replaces the whole dict entry
+        if view is not None:
+            return view
+        with self._lock:
+            regs = [r for r in self._registrations.values() if r.model == model and r.tenant == tenant]
+            if not regs:
+                raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
+            entry = self._indexes.get(key)
+            view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
+            if len(self._views) >= _VIEWS_MAX:
+                self._views.clear()
+            self._views[key] = view
+        return view
 
     def instance_hits(
         self, model: str, tenant: str, block_size: int, fetch: Callable[[KvAffinity], Mapping[str, Any]]
@@ -322,47 +379,70 @@ class AdapterState:
 
         Raises 404 ``NoIndexer`` when nothing is registered for ``(model, tenant)``.
         """
-        regs = self.registrations(model, tenant)
-        if not regs:
-            raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
-        aff = self.affinity(model, tenant, block_size)
-        raw = fetch(aff) if aff is not None else {}
-        groups: dict[str, list[Registration]] = {}
-        for reg in regs:
-            groups.setdefault(reg.instance_id, []).append(reg)
+        view = self._view(model, tenant, block_size)
+        raw = fetch(view.affinity) if view.affinity is not None else {}
         hits: Hits = {}
         dps: dict[str, list[int]] = {}
-        for instance, members in groups.items():
-            dps[instance] = sorted(r.dp_rank for r in members)
-            usable = [(r, r.stream) for r in members if r.block_size == block_size and r.stream is not None]
-            if len(members) == 1:
-                hits[instance] = dict(raw.get(usable[0][1], {})) if usable else {}
+        for plan in view.plans:
+            dps[plan.instance] = list(plan.dps)
+            if plan.single:
+                hits[plan.instance] = dict(raw.get(plan.streams[0][1], {})) if plan.streams else {}
                 continue
             per_dp: dict[int, TierCounts] = {}
-            for reg, stream in usable:  # several endpoints: each registered dp reports its own stream's best rank
+            for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
                 folded = fold_engine_dps(raw.get(stream, {}), self.config.kv_affinity)
                 if folded is not None:
-                    per_dp[reg.dp_rank] = folded
-            hits[instance] = per_dp
-        return hits, dps, regs
+                    per_dp[dp] = folded
+            hits[plan.instance] = per_dp
+        return hits, dps, list(view.regs)
 
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
-        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
-        cfg = self.scoring_config(block_size)
-        response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
-        self.metrics.observe_query(model, response[tenant], len(token_ids) // block_size, started, block_size)
-        return response
+        return self._keys_response(model, tenant, block_size, keys, len(token_ids) // block_size, started)
 
     def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = chain_hashes(local_hashes)
-        hits, dps, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query_keys(keys))
+        return self._keys_response(model, tenant, block_size, keys, len(keys), started)
+
+    def _keys_response(
+        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
+    ) -> dict[str, Any]:
+        """``conductor_response(*instance_hits(..), fold=True)`` fused for the hot path (same JSON)."""
+        view = self._view(model, tenant, block_size)
+        raw = view.affinity.hits_for_keys(keys) if view.affinity is not None else {}
         cfg = self.scoring_config(block_size)
-        response = conductor_response(hits, dps, block_size, tenant=tenant, fold=True, cfg=cfg)
-        self.metrics.observe_query(model, response[tenant], len(keys), started, block_size)
-        return response
+        out: dict[str, dict[str, Any]] = {}
+        observed: list[tuple[str, str, int, TierCounts]] = []  # (instance, dp key, engine rank, hit) for metrics
+        for plan in view.plans:
+            if plan.single:
+                found = best_rank(raw.get(plan.streams[0][1], _NO_HITS), cfg) if plan.streams else None
+                if found is None:
+                    entry = _zero_entry(None)
+                else:
+                    entry = _entry(found[1], found[0], block_size)
+                    observed.append((plan.instance, plan.keys[0], found[0], found[1]))
+                out[plan.instance] = {"longest_matched": entry["matched_tokens"], "DP": {plan.keys[0]: entry}}
+                continue
+            per_dp: dict[int, TierCounts] = {}
+            for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
+                found = best_rank(raw.get(stream, _NO_HITS), cfg)
+                if found is not None:
+                    per_dp[dp] = found[1]
+            entries: dict[str, dict[str, Any]] = {}
+            longest = 0
+            for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
+                hit = per_dp.get(dp)
+                if hit is None:
+                    entries[dp_key] = _zero_entry(dp)
+                    continue
+                entry = entries[dp_key] = _entry(hit, dp, block_size)
+                longest = max(longest, entry["matched_tokens"])
+                observed.append((plan.instance, dp_key, dp, hit))
+            out[plan.instance] = {"longest_matched": longest, "DP": entries}
+        self.metrics.observe_hits(model, observed, blocks, started, block_size)
+        return {tenant: out}
 
     def select(
         self,
@@ -463,6 +543,24 @@ class AdapterState:
         return self.metrics.render(self.stream_health(), self.registrations())
 
 
+_NO_HITS: Mapping[int, TierCounts] = {}
+
+
+def _entry(hit: TierCounts, engine_rank: int, block_size: int) -> dict[str, Any]:
+    npu, cpu, disk = hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks
+    return {
+        "matched_tokens": (npu + cpu + disk) * block_size,
+        "npu_blocks": npu,
+        "cpu_blocks": cpu,
+        "disk_blocks": disk,
+        "engine_dp_rank": engine_rank,
+    }
+
+
+def _zero_entry(engine_rank: Union[int, None]) -> dict[str, Any]:
+    return {"matched_tokens": 0, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 0, "engine_dp_rank": engine_rank}
+
+
 # --------------------------------------------------------------------------- metrics
 
 _STREAM_FIELDS = (
@@ -481,6 +579,12 @@ _STREAM_FIELDS = (
 
 
 _TIERS = (("npu", "npu_blocks"), ("cpu", "cpu_blocks"), ("disk", "disk_blocks"))
+_LABELS_MAX = 4096
+
+
+def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
+    """``instance_hits``' label set, sorted by name as ``Counter.inc`` sorts them."""
+    return (("dp", dp), ("engine_dp_rank", str(rank)), ("instance", instance), ("tier", _TIERS[tier][0]))
 
 
 class _Metrics:
@@ -498,33 +602,44 @@ class _Metrics:
         self.instance_hits = reg.counter(
             "motor_kv_adapter_instance_hit_blocks_total", "Hit blocks per instance, registered dp, engine rank and tier"
         )
+        # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
+        self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
+        self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
 
-    def observe_query(
-        self, model: str, instances: Mapping[str, Any], blocks: int, started: float, block_size: int
+    def observe_hits(
+        self, model: str, hits: Sequence[tuple[str, str, int, TierCounts]], blocks: int, started: float, block_size: int
     ) -> None:
-        model_label = (("model", model),)
-        self.latency.observe_labels(time.perf_counter() - started, model_label)
-        self.query_blocks.inc_labels(model_label, blocks)
+        """One query: its latency, its blocks, and per ``(instance, dp key, engine rank, hit)`` the hit tiers.
+
+        Hot path: counts go into cached live cells (:meth:`metrics.Counter.cell`), no label
+        set is built or hashed per query.
+        """
+        per_model = self._model_cells.get(model)
+        if per_model is None:
+            if len(self._model_cells) >= _LABELS_MAX:
+                self._model_cells.clear()  # only a cache: the counters keep their series
+            labels: metrics.Labels = (("model", model),)
+            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
+            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
+        model_labels, queried, hit_blocks = per_model
+        self.latency.observe_labels(time.perf_counter() - started, model_labels)
+        queried[0] += blocks
         best = 0
-        for instance, entry in instances.items():
-            longest = entry["longest_matched"]
-            if not longest:
-                continue
-            best = max(best, longest // block_size)
-            for dp, fig in entry["DP"].items():
-                if not fig["matched_tokens"]:
-                    continue
-                for tier, field in _TIERS:
-                    count = fig[field]
-                    if count:
-                        labels = (
-                            ("dp", dp),
-                            ("engine_dp_rank", str(fig.get("engine_dp_rank"))),
-                            ("instance", instance),
-                            ("tier", tier),
-                        )
-                        self.instance_hits.inc_labels(labels, count)
-        self.hit_blocks.inc_labels(model_label, min(best, blocks))
+        for instance, dp, rank, hit in hits:
+            counts = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks)
+            best = max(best, sum(counts))
+            cells = self._hit_cells.get((instance, dp, rank))
+            if cells is None:
+                if len(self._hit_cells) >= _LABELS_MAX:
+                    self._hit_cells.clear()
+                cells = self._hit_cells[(instance, dp, rank)] = [None, None, None]
+            for tier, count in enumerate(counts):
+                if count:
+                    cell = cells[tier]
+                    if cell is None:  # a tier's series appears with its first block, as before
+                        cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
+                    cell[0] += count
+        hit_blocks[0] += min(best, blocks)
 
     def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
         names: dict[tuple[str, str, int, str], str] = {}
@@ -534,7 +649,7 @@ class _Metrics:
                 names[key] = ",".join(sorted(filter(None, {names.get(key, ""), f"{reg.instance_id}/{reg.dp_rank}"})))
         extra: list[metrics.Gauge] = []
         ratio = metrics.Gauge("motor_kv_adapter_query_hit_ratio", "Hit blocks / queried blocks since start")
-        for labels, total in self.query_blocks._values.items():
+        for labels, total in self.query_blocks.items().items():
             model = dict(labels)["model"]
             ratio.set(self.hit_blocks.value(model=model) / total if total else 0.0, model=model)
         extra.append(ratio)
@@ -753,19 +868,35 @@ def _candidates(value: Any) -> list[Candidate]:
 _UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
 
 
-def _rate_limit(config: ServiceConfig) -> Any:
-    """Refuses a client IP over its token bucket with 429 (counted by ``errors``); off when no rate."""
-    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst) if config.rate_limit_rps else None
+def _rate_limit(config: ServiceConfig) -> list[Any]:
+    """Refuses a client IP over its token bucket with 429 (counted by ``errors``); no middleware
+    at all when no rate is set (one layer less on every request)."""
+    if not config.rate_limit_rps:
+        return []
+    limiter = RateLimiter(config.rate_limit_rps, config.rate_limit_burst)
 
     @web.middleware
     async def limit(request: web.Request, handler: Callable[[web.Request], Any]) -> web.StreamResponse:
-        path_limited = limiter is not None and request.path not in _UNLIMITED_PATHS
-        if path_limited and not limiter.allow(request.remote or "-", time.monotonic()):  # type: ignore[union-attr]
+        path_limited = request.path not in _UNLIMITED_PATHS
+        if path_limited and not limiter.allow(request.remote or "-", time.monotonic()):
             raise RequestError(429, "rate_limited", f"over {config.rate_limit_rps:g} requests/s per client")
         response: web.StreamResponse = await handler(request)
         return response
 
-    return limit
+    return [limit]
+
+
+_REQUEST_LABELS: dict[tuple[str, int], metrics.Labels] = {}
+
+
+def _request_labels(path: str, status: int) -> metrics.Labels:
+    """``requests``' label set, built once per (route, status): paths are routes, so few."""
+    labels = _REQUEST_LABELS.get((path, status))
+    if labels is None:
+        if len(_REQUEST_LABELS) >= _LABELS_MAX:
+            _REQUEST_LABELS.clear()
+        labels = _REQUEST_LABELS[(path, status)] = (("path", path), ("status", str(status)))
+    return labels
 
 
 def build_app(state: AdapterState) -> web.Application:
@@ -784,12 +915,12 @@ def build_app(state: AdapterState) -> web.Application:
         except web.HTTPException as exc:  # 404/405 from routing
             metric.bad_requests.inc(path=path, reason=f"http_{exc.status}")
             response = _error(exc.status, exc.reason or "error", exc.text or "")
-        metric.requests.inc(path=path, status=response.status)
+        metric.requests.inc_labels(_request_labels(path, response.status))
         return response
 
     # aiohttp enforces the limit too (chunked bodies); ours gives the JSON message.
     app = web.Application(
-        middlewares=[errors, _rate_limit(state.config)], client_max_size=state.config.max_body_bytes + 1
+        middlewares=[errors, *_rate_limit(state.config)], client_max_size=state.config.max_body_bytes + 1
     )
     app.router.add_post("/register", handlers.register)
     app.router.add_post("/unregister", handlers.unregister)

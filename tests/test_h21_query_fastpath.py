@@ -1,0 +1,195 @@
+"""The service's fused ``/query`` path renders exactly what the general path renders.
+
+``AdapterState.query`` / ``query_by_hash`` fold hits straight into the conductor JSON from a
+cached per-``(model, tenant, block_size)`` grouping of registrations. Reference: the
+general composition ``conductor_response(*instance_hits(.., KvAffinity.query_keys))`` and
+the per-tier hit metrics as read back from that JSON. Registration changes must show up in
+the next query (the grouping cache is invalidated).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from motor_adapter.affinity import KvAffinity
+from motor_adapter.motor import Registration, Unregistration
+from motor_adapter.scoring import KvAffinityConfig, conductor_response
+from motor_adapter.service import AdapterState, RequestError, ServiceConfig, u32_tokens
+from sglang_kvpub import wire
+from sglang_kvpub.hashing import chain_hashes, local_block_hashes, sequence_keys
+
+pytestmark = pytest.mark.unit
+
+BS = 4
+MODEL = "m"
+MEDIA = (wire.MEDIUM_GPU, wire.MEDIUM_CPU, wire.MEDIUM_DISK)
+
+
+class _Quiet:
+    """No stream: the test fills the index directly."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def health(self) -> None:
+        return None
+
+
+def _state(cfg: KvAffinityConfig) -> AdapterState:
+    return AdapterState(
+        ServiceConfig(kv_affinity=cfg),
+        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_Quiet),
+    )
+
+
+def _reg(instance: str, dp: int, stream: str | None, block_size: int = BS, tenant: str = "default") -> Registration:
+    return Registration(
+        instance_id=instance,
+        dp_rank=dp,
+        model=MODEL,
+        tenant=tenant,
+        block_size=block_size,
+        engine_type="sglang",
+        store_backend="",
+        media={"npu": stream} if stream else {},
+        replay_endpoint=None,
+        node_id=None,
+        dp_size=None,
+        fanned_in=True,
+        stream=stream,
+        mode="engine" if stream else "http_only",
+        compat_dp_size=None,
+    )
+
+
+def _store(aff: KvAffinity, stream: str, rank: int, tokens: list[int], rng: random.Random) -> None:
+    """A prefix of ``tokens`` on ``rank``: some blocks in GPU, continuing in CPU, then disk."""
+    blocks = rng.randint(0, len(tokens) // BS)
+    parent: int | None = None
+    start = 0
+    for medium in MEDIA:
+        count = rng.randint(0, blocks - start) if medium != wire.MEDIUM_DISK else blocks - start
+        if count <= 0:
+            continue
+        hashes = [rng.getrandbits(63) for _ in range(count)]
+        event = wire.BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens[start * BS : (start + count) * BS],
+            block_size=BS,
+            medium=medium,
+        )
+        aff.index.apply_batch(stream, wire.EventBatch(ts=0.0, events=[event], dp_rank=rank))
+        parent, start = hashes[-1], start + count
+
+
+def _reference(state: AdapterState, keys: list[int], tenant: str = "default") -> dict[str, Any]:
+    hits, dps, _ = state.instance_hits(MODEL, tenant, BS, lambda aff: aff.query_keys(keys))
+    return conductor_response(hits, dps, BS, tenant=tenant, fold=True, cfg=state.scoring_config(BS))
+
+
+def _expected_hit_metrics(response: Mapping[str, Any]) -> dict[tuple[tuple[str, str], ...], float]:
+    out: dict[tuple[tuple[str, str], ...], float] = {}
+    for instance, entry in response.items():
+        for dp, fig in entry["DP"].items():
+            for tier in ("npu", "cpu", "disk"):
+                count = fig[f"{tier}_blocks"]
+                if fig["matched_tokens"] and count:
+                    labels = (
+                        ("dp", dp),
+                        ("engine_dp_rank", str(fig["engine_dp_rank"])),
+                        ("instance", instance),
+                        ("tier", tier),
+                    )
+                    out[labels] = out.get(labels, 0.0) + count
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), w_cpu=st.sampled_from([0.0, 0.5, 1.0]), w_disk=st.sampled_from([0.0, 1.0]))
+def test_fused_query_equals_conductor_response_of_instance_hits(seed: int, w_cpu: float, w_disk: float) -> None:
+    rng = random.Random(seed)
+    state = _state(KvAffinityConfig(block_size=BS, w_cpu=w_cpu, w_disk=w_disk))
+    try:
+        tokens = [rng.randrange(1000) for _ in range(rng.randint(0, 10) * BS + rng.randrange(BS))]
+        streams: list[str] = []
+        for i in range(rng.randint(1, 4)):
+            instance = f"p{i}"
+            dps = rng.sample(range(6), rng.choice([1, 1, 2, 3]))
+            shared = rng.random() < 0.3  # several dps naming one URL (pool-mode style)
+            for n, dp in enumerate(dps):
+                roll = rng.random()
+                stream = None if roll < 0.1 else f"tcp://127.0.0.1:{1000 + i * 10 + (0 if shared else n)}"
+                block_size = BS * 2 if 0.1 <= roll < 0.2 else BS  # registered at another block size: unusable
+                state.register(_reg(instance, dp, stream, block_size))
+                if stream is not None and block_size == BS and stream not in streams:
+                    streams.append(stream)
+        for stream in streams:
+            aff = state.affinity(MODEL, "default", BS)
+            assert aff is not None
+            for rank in rng.sample(range(8), rng.randint(0, 4)):
+                _store(aff, stream, rank, tokens, rng)
+        keys = sequence_keys(tokens, BS)
+        expected = _reference(state, keys)
+        assert state.query(MODEL, "default", BS, u32_tokens(tokens)) == expected
+        assert state.query(MODEL, "default", BS, tokens) == expected
+        assert state.query_by_hash(MODEL, "default", BS, local_block_hashes(tokens, BS)) == expected
+        assert chain_hashes(local_block_hashes(tokens, BS)) == keys
+        want = {k: 3 * v for k, v in _expected_hit_metrics(expected["default"]).items()}
+        assert state.metrics.instance_hits.items() == want
+        best = max((e["longest_matched"] // BS for e in expected["default"].values()), default=0)
+        assert state.metrics.hit_blocks.value(model=MODEL) == 3 * min(best, len(keys))
+        assert state.metrics.query_blocks.value(model=MODEL) == 3 * len(keys)
+        assert state.metrics.latency.count(model=MODEL) == 3
+    finally:
+        state.close()
+
+
+def test_registration_changes_reach_the_next_query() -> None:
+    state = _state(KvAffinityConfig(block_size=BS))
+    try:
+        tokens = list(range(3 * BS))
+        state.register(_reg("p0", 0, "tcp://127.0.0.1:1001"))
+        assert list(state.query(MODEL, "default", BS, tokens)["default"]) == ["p0"]
+        state.register(_reg("p1", 0, "tcp://127.0.0.1:1002"))
+        aff = state.affinity(MODEL, "default", BS)
+        assert aff is not None
+        _store(aff, "tcp://127.0.0.1:1002", 3, tokens, random.Random(1))
+        body = state.query(MODEL, "default", BS, tokens)["default"]
+        assert list(body) == ["p0", "p1"] and body == _reference(state, sequence_keys(tokens, BS))["default"]
+        state.register(_reg("p0", 1, "tcp://127.0.0.1:1003"))  # p0 now has two registered dps
+        assert list(state.query(MODEL, "default", BS, tokens)["default"]["p0"]["DP"]) == ["0", "1"]
+        assert state.unregister(Unregistration("p0", None, None, "default")) == 2
+        assert list(state.query(MODEL, "default", BS, tokens)["default"]) == ["p1"]
+        assert state.unregister(Unregistration("p1", None, None, "default")) == 1
+        with pytest.raises(RequestError) as info:
+            state.query(MODEL, "default", BS, tokens)
+        assert info.value.status == 404 and info.value.reason == "NoIndexer"
+    finally:
+        state.close()
+
+
+def test_counter_cells_and_inc_labels_count_the_same_series() -> None:
+    from motor_adapter.metrics import Counter
+
+    counter = Counter("c_total", "help")
+    labels = (("a", "x"),)
+    counter.inc_labels(labels, 2)
+    cell = counter.cell(labels)
+    cell[0] += 3
+    counter.inc(a="x")
+    assert counter.cell(labels) is cell
+    assert counter.value(a="x") == 6 and counter.items() == {labels: 6}
+    assert counter.lines() == ['c_total{a="x"} 6']
