@@ -7,6 +7,8 @@ as SGLang's ``array("q")``: 80% start with a stored prompt (full or partial hit)
 are cold.  Loads are random token counts per decision.
 
 Timed per decision: ``choose`` (hashing + index walk + cost over 16 ranks + guard).
+``decision_us_p50_full_hit``: 1,000 more decisions on whole stored prompts (every block
+held: the most hashing a decision does).
 Also: hashing alone (``hashing.sequence_keys`` on the array), the same on a list (the router's
 path), and the round-robin baseline: SGLang 0.5.23's own selection cost, i.e. a counter
 modulo the active ranks.  The routing-quality side is bench/routing.py
@@ -110,6 +112,13 @@ def main() -> None:
         us = (time.perf_counter_ns() - t) / 1000.0
         decision_us.append(us)
         (hit_us if warm else cold_us).append(us)
+    stats = dispatcher.stats()  # reasons of the mixed workload above
+    full_us: list[float] = []  # worst case for early-stopping hashing: a stored prompt, whole
+    for i in range(1000):
+        tokens = array("q", stored[i % len(stored)])
+        t = time.perf_counter_ns()
+        dispatcher.choose(tokens, loads[i % len(loads)])
+        full_us.append((time.perf_counter_ns() - t) / 1000.0)
     hash_us = []
     router_hash_us = []
     for tokens, _ in queries[:1000]:
@@ -121,7 +130,6 @@ def main() -> None:
         sequence_keys(as_list, args.block_size)
         router_hash_us.append((time.perf_counter_ns() - t) / 1000.0)
     rr_us = _round_robin_us(args.ranks, args.decisions)
-    stats = dispatcher.stats()
     emit(
         {
             "bench": "dispatch",
@@ -134,6 +142,7 @@ def main() -> None:
             "decision_us_p50_hit": round(percentile(hit_us, 50), 2),
             "decision_us_p99_hit": round(percentile(hit_us, 99), 2),
             "decision_us_p50_cold": round(percentile(cold_us, 50), 2),
+            "decision_us_p50_full_hit": round(percentile(full_us, 50), 2),
             "hash_us_p50": round(percentile(hash_us, 50), 2),
             "router_sequence_keys_us_p50": round(percentile(router_hash_us, 50), 2),
             "round_robin_us_p50": round(percentile(rr_us, 50), 3),

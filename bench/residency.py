@@ -177,10 +177,13 @@ def reconcile(ns: Any, make: Any, pages: int) -> dict[str, Any]:
         force = True
         while force or rec.walking:
             before = len(pauses)
-            phases.append(rec.phase)
+            phase = rec.phase
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             rec.step(force=force)
             c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            # A slice is named by the phase it started in and the one it left in (the
+            # first slice starts "idle": it begins the walk).
+            phases.append(f"{phase}->{rec.phase}")
             force = False
             cpu.append((c1 - c0) / 1e6)
             wall.append((w1 - w0) / 1e6)
@@ -196,6 +199,7 @@ def reconcile(ns: Any, make: Any, pages: int) -> dict[str, Any]:
         "slice_wall_ms": _summary(wall, 3),
         "slices_with_gc": gc_slices,
         "max_cpu_slice_phase": phases[cpu.index(max(cpu))],
+        "max_cpu_slice_index": cpu.index(max(cpu)),
         "walk_s": round(total, 3),
         "fixed_stale": corrections["reconcile_stale_gpu"],
         "fixed_missing": corrections["reconcile_missing_gpu"],

@@ -22,9 +22,11 @@ controller a dispatcher.  Requests with ``routed_dp_rank`` (which also carries t
 ``X-Data-Parallel-Rank`` header and the deprecated ``data_parallel_rank``) go through
 SGLang's ``maybe_external_dp_rank_routing`` first, unchanged.  See docs/dispatch.md.
 
-Never blocks: a decision hashes the prompt (outside any lock) and takes the index lock
-for one walk; the fan-in applies events in chunks of at most ``observe_chunk_blocks``
-blocks, so the lock is never held for a whole large batch.
+Never blocks: a decision takes the index lock for one walk over the prompt's keys, which
+are hashed lazily as the walk pulls them (block 0 before the lock, later blocks in growing
+chunks), so hashing stops at the first block no rank holds - a cold prompt hashes one
+block, a hit little more than its depth; the fan-in applies events in chunks of at most
+``observe_chunk_blocks`` blocks, so the lock is never held for a whole large batch.
 """
 
 from __future__ import annotations
@@ -35,14 +37,14 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from sglang_kvpub.hashing import sequence_keys
-from sglang_kvpub.index import PrefixIndex, TierHit
+from sglang_kvpub.hashing import BASE_SEED, chain_hashes, chain_next, local_block_hashes, lora_seed, tokens_u32
+from sglang_kvpub.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
 
 __all__ = [
@@ -97,6 +99,9 @@ DISPATCH_TARGETS = (
 CONTROLLER_ATTR = "kvpub_dispatcher"
 LOCAL_INSTANCE = "local"
 SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
+_NO_HIT = (0, 0, 0)
+_FIRST_CHUNK_BLOCKS = 16  # then doubling: a shallow hit hashes little, a deep one ~once
+_LITTLE = sys.byteorder == "little"  # u32 views of tokens_u32 bytes are native-order
 
 
 # --------------------------------------------------------------------------- decisions
@@ -200,9 +205,7 @@ class CacheAwareDispatcher:
         self.instance = instance
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
-        self._all_ranks = tuple(range(dp_size))
-        # An index of our own holds only this instance: skip the per-query instance mask.
-        self._instances: tuple[str, ...] | None = (instance,) if index is not None else None
+        self._rank_list = list(range(dp_size))  # never handed out for mutation
         self._rotation = 0
         self._counts: collections.Counter[str] = collections.Counter()
         self._matched_tokens = 0
@@ -281,73 +284,113 @@ class CacheAwareDispatcher:
         lora_name: str | None,
     ) -> DispatchDecision:
         isl = len(token_ids)
-        block_size = self.block_size
-        if isl < block_size:
+        if isl < self.block_size:
             return DispatchDecision(None, REASON_SHORT_PROMPT, isl)
-        ranks = [r for r in (self._all_ranks if candidates is None else candidates) if 0 <= r < len(loads)]
+        ranks = self._ranks(candidates, len(loads))
         if not ranks:
             return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
         hits = self._hits(token_ids, lora_name)
         # Rotate the scan start so equal costs spread over ranks instead of piling on the first.
         self._rotation = start = (self._rotation + 1) % len(ranks)
         order = ranks[start:] + ranks[:start]
-        scale, weight, credit = self.prefill_load_scale, self.load_weight, self.overlap_credit
-        best = order[0]
-        best_cost = math.inf
-        best_matched = 0
-        for rank in order:
-            hit = hits.get(rank)
-            matched = 0 if hit is None else self._matched(hit, isl)
-            cost = scale * max(0.0, isl - credit * matched) + weight * loads[rank]
-            if cost < best_cost:
-                best, best_cost, best_matched = rank, cost, matched
+        weight = self.load_weight
+        miss = self._prefill(0, isl)  # every rank without a hit
+        if ranks is self._rank_list and type(loads) is list and len(loads) == len(ranks):
+            rank_loads = loads[start:] + loads[:start]  # order is the rotated range
+        else:
+            rank_loads = [loads[rank] for rank in order]
+        if hits:
+            prefill = self._prefills(hits, isl)
+            costs = [prefill.get(rank, miss) + weight * load for rank, load in zip(order, rank_loads, strict=True)]
+        else:
+            costs = [miss + weight * load for load in rank_loads]
+        best_cost = min(costs)
+        # First among equals in the rotated order (a strict "<" scan from infinity).
+        best = order[costs.index(best_cost)] if best_cost < math.inf else order[0]
+        best_matched = self._matched(hits[best], isl) if best in hits and best_cost < math.inf else 0
         reason = REASON_CACHE_HIT if best_matched > 0 else REASON_NO_HIT
-        spill = self._hotspot(order, loads, best)
-        hit = hits.get(best if spill is None else spill)
-        if spill is not None:
-            best, reason = spill, REASON_HOTSPOT
-            best_matched = 0 if hit is None else self._matched(hit, isl)
-            best_cost = scale * max(0.0, isl - credit * best_matched) + weight * loads[best]
-        return DispatchDecision(
-            best,
-            reason,
-            isl,
-            best_matched,
-            hit.npu_blocks if hit else 0,
-            hit.cpu_blocks if hit else 0,
-            hit.disk_blocks if hit else 0,
-            float(loads[best]),
-            float(best_cost),
-        )
+        least_load = min(rank_loads)
+        if self._hotspot(loads[best] - least_load, sum(rank_loads) / len(order)):
+            best, reason = order[rank_loads.index(least_load)], REASON_HOTSPOT
+            best_matched = self._matched(hits[best], isl) if best in hits else 0
+            best_cost = self._prefill(best_matched, isl) + weight * loads[best]
+        npu, cpu, disk = hits.get(best, _NO_HIT)
+        return DispatchDecision(best, reason, isl, best_matched, npu, cpu, disk, float(loads[best]), float(best_cost))
 
-    def _matched(self, hit: TierHit, isl: int) -> int:
+    def _prefill(self, matched: int, isl: int) -> float:
+        """The prefill part of a rank's cost when it holds ``matched`` tokens."""
+        return self.prefill_load_scale * max(0.0, isl - self.overlap_credit * matched)
+
+    def _prefills(self, hits: dict[int, tuple[int, int, int]], isl: int) -> dict[int, float]:
+        """Prefill cost per rank with a hit; ranks sharing a hit tuple (the index hands one
+        object to every NPU-only rank ending at the same block) share one computation."""
+        out: dict[int, float] = {}
+        last: tuple[int, int, int] | None = None
+        cost = 0.0
+        for rank, hit in hits.items():
+            if hit is not last:
+                last = hit
+                cost = self._prefill(self._matched(hit, isl), isl)
+            out[rank] = cost
+        return out
+
+    def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
+        """The candidate ranks with a load figure (the caller's list when all have one)."""
+        if candidates is None:
+            if size >= self.dp_size:
+                return self._rank_list
+            candidates = self._rank_list
+        elif candidates == self._rank_list and size >= self.dp_size:
+            return self._rank_list  # every rank active (the usual case)
+        elif type(candidates) is list and candidates and min(candidates) >= 0 and max(candidates) < size:
+            return candidates
+        return [r for r in candidates if 0 <= r < size]
+
+    def _matched(self, hit: tuple[int, int, int], isl: int) -> int:
         w_npu, w_cpu, w_disk = self.weights
-        weighted = hit.npu_blocks * w_npu + hit.cpu_blocks * w_cpu + hit.disk_blocks * w_disk
+        weighted = hit[0] * w_npu + hit[1] * w_cpu + hit[2] * w_disk
         return min(round(weighted * self.block_size), isl)
 
-    def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, TierHit]:
-        # Early out for cold prompts (the common case for unique traffic): block 0 first.
-        first = sequence_keys(token_ids, self.block_size, lora_name, max_blocks=1)
-        if not self.index.query_keys(first, self._instances):
-            return {}
-        keys = sequence_keys(token_ids, self.block_size, lora_name)
-        return self.index.query_keys(keys, self._instances).get(self.instance, {})
+    def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, tuple[int, int, int]]:
+        """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0."""
+        return self.index.longest_prefixes(self.instance, self._keys(token_ids, lora_name))
 
-    def _hotspot(self, order: Sequence[int], loads: Sequence[float], best: int) -> int | None:
-        """The least loaded candidate when ``best`` is a hot spot, else None."""
-        if self.hotspot_spread is None and self.hotspot_relative is None:
-            return None
-        least = min(order, key=loads.__getitem__)  # first in rotated order among equals
-        spread = loads[best] - loads[least]
-        if spread <= 0:
-            return None
+    def _keys(self, token_ids: Sequence[int], lora_name: str | None) -> Iterator[int]:
+        """The prompt's block keys, hashed only as far as the index walk pulls them: block 0
+        now (outside the index lock), later blocks in growing chunks while some rank still
+        holds the prefix (a cold or short hit stops early; a long hit costs ~one pass)."""
+        block_size = self.block_size
+        seed = lora_seed(lora_name) if lora_name else BASE_SEED
+        blocks = len(token_ids) // block_size
+        tokens: Sequence[int] = token_ids
+        if _LITTLE and blocks > 1:
+            # u32 once (SGLang's array("q") costs a conversion), zero-copy slices after
+            tokens = memoryview(tokens_u32(token_ids, blocks * block_size)).cast("I")
+        first = chain_next(seed, local_block_hashes(tokens, block_size, seed, max_blocks=1)[0])
+        return self._chain(tokens, blocks, seed, first)
+
+    def _chain(self, tokens: Sequence[int], blocks: int, seed: int, key: int) -> Iterator[int]:
+        yield key
+        block_size = self.block_size
+        start, end = 1, _FIRST_CHUNK_BLOCKS
+        while start < blocks:
+            end = min(end, blocks)
+            chunk = local_block_hashes(tokens[start * block_size : end * block_size], block_size, seed)
+            keys = chain_hashes(chunk, key)
+            key = keys[-1]
+            yield from keys
+            start, end = end, 2 * end
+
+    def _hotspot(self, spread: float, mean: float) -> bool:
+        """Whether the chosen rank, ``spread`` above the least loaded, is a hot spot."""
+        if spread <= 0 or (self.hotspot_spread is None and self.hotspot_relative is None):
+            return False
         limit = 0.0
         if self.hotspot_spread is not None:
             limit = self.hotspot_spread
         if self.hotspot_relative is not None:
-            mean = sum(loads[r] for r in order) / len(order)
             limit = max(limit, self.hotspot_relative * mean)
-        return least if spread > limit else None
+        return spread > limit
 
     # ------------------------------------------------------------------ metrics
 

@@ -44,9 +44,9 @@ import heapq
 import logging
 import sys
 import threading
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 
 from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
@@ -188,6 +188,13 @@ def _holders(mask: int) -> int:
     return ~(mask.bit_length() - 1) if mask & (mask - 1) == 0 else mask
 
 
+def _recorded(keys: Iterable[int], into: list[int]) -> Iterator[int]:
+    """``keys``, each appended to ``into`` as it is pulled."""
+    for key in keys:
+        into.append(key)
+        yield key
+
+
 def _bits(mask: int) -> Iterator[int]:
     """Positions of the set bits of ``mask``, lowest first."""
     while mask:
@@ -288,6 +295,32 @@ class PrefixIndex:
             if self.capacity_blocks is not None and depth:
                 self._touch(keys[:depth])
             return self._resolve(records)
+
+    def longest_prefixes(self, instance: str, keys: Iterable[int]) -> dict[int, tuple[int, int, int]]:
+        """``dp_rank -> (npu, cpu, disk)`` blocks for every rank of ``instance`` holding at
+        least block 0: ``query_keys(keys, [instance])[instance]`` without the TierHit
+        objects, for the in-instance dispatcher's hot path.
+
+        ``keys`` may be a lazy iterator (e.g. chaining ``hashing.chain_next`` as it goes):
+        it is consumed under the index lock, and only up to the first key no rank of the
+        instance holds in any tier - the keys after it cannot change the answer."""
+        with self._lock:
+            self._queries += 1
+            allowed = self._inst_masks.get(instance, 0)
+            if not allowed:
+                return {}
+            walked: list[int] | None = None if self.capacity_blocks is None else []
+            if self._masks[1] or self._masks[2]:
+                pulled: list[int] = []
+                records, depth = self._walk(_recorded(keys, pulled), allowed)
+                out = self._resolve_ranks(records)
+                if walked is not None:
+                    walked = pulled[:depth]
+            else:
+                out = self._walk_npu(keys, allowed, walked)
+            if walked:
+                self._touch(walked)
+            return out
 
     def ranks(self, instance: str) -> list[int]:
         with self._lock:
@@ -541,18 +574,22 @@ class PrefixIndex:
             mask |= self._inst_masks.get(inst, 0)
         return mask
 
-    def _walk(self, keys: Sequence[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
+    def _walk(self, keys: Iterable[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
         """Phase transitions ``(position, left npu, left cpu, finished)`` as worker masks,
-        and the depth up to which some worker matched."""
+        and the depth up to which some worker matched.  ``keys`` is consumed only up to the
+        first key no remaining worker holds (a lazy iterator hashes no further)."""
         npu, cpu, disk = self._masks
-        first = keys[0]
+        rest = iter(keys)
+        first = next(rest, None)
+        if first is None:
+            return [], 0
         in_npu = _mask(npu.get(first, 0)) | _mask(cpu.get(first, 0)) | _mask(disk.get(first, 0))
         if allowed is not None:
             in_npu &= allowed
         in_cpu = in_disk = 0
         records: list[tuple[int, int, int, int]] = []
         position = 0
-        for position, key in enumerate(keys):  # position is used after the loop
+        for position, key in enumerate(chain((first,), rest)):  # position is used after the loop
             holders = npu.get(key, 0)
             kept = in_npu & (holders if holders >= 0 else 1 << ~holders)
             left_npu = in_npu ^ kept
@@ -575,6 +612,44 @@ class PrefixIndex:
         end = position + 1
         records.append((end, in_npu, in_npu | in_cpu, in_npu | in_cpu | in_disk))
         return records, end
+
+    def _walk_npu(self, keys: Iterable[int], allowed: int, walked: list[int] | None) -> dict[int, tuple[int, int, int]]:
+        """:meth:`_walk` + :meth:`_resolve_ranks` when no tier but NPU holds anything: one
+        mask per position, a rank's hit ends where it leaves the mask."""
+        get = self._masks[0].get
+        out: dict[int, tuple[int, int, int]] = {}
+        rest = iter(keys)
+        first = next(rest, None)
+        holders = 0 if first is None else get(first, 0)
+        held = allowed & (holders if holders >= 0 else 1 << ~holders)
+        if not held:
+            return out
+        if walked is not None:
+            walked.append(first)  # type: ignore[arg-type]  # held implies first is a key
+        position = 1
+        for key in rest:
+            holders = get(key, 0)
+            kept = held & (holders if holders >= 0 else 1 << ~holders)
+            if kept != held:
+                self._emit_npu(out, held ^ kept, position)
+                if not kept:
+                    return out
+                held = kept
+            if walked is not None:
+                walked.append(key)
+            position += 1
+        self._emit_npu(out, held, position)
+        return out
+
+    def _emit_npu(self, out: dict[int, tuple[int, int, int]], mask: int, position: int) -> None:
+        hit = (position, 0, 0)
+        by_wid = self._by_wid
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            worker = by_wid[low.bit_length() - 1]
+            if worker is not None:
+                out[worker.dp_rank] = hit
 
     def _resolve(self, records: list[tuple[int, int, int, int]]) -> dict[str, dict[int, TierHit]]:
         out: dict[str, dict[int, TierHit]] = {}
@@ -610,6 +685,36 @@ class PrefixIndex:
                 cpu_end[wid] = position
             if position and finished ^ pure:
                 emit(finished ^ pure, None)
+        return out
+
+    def _resolve_ranks(self, records: list[tuple[int, int, int, int]]) -> dict[int, tuple[int, int, int]]:
+        """:meth:`_resolve` for workers of one instance: ``dp_rank -> (npu, cpu, disk)``."""
+        out: dict[int, tuple[int, int, int]] = {}
+        npu_end: dict[int, int] = {}
+        cpu_end: dict[int, int] = {}
+        by_wid = self._by_wid
+        for position, left_npu, left_cpu, finished in records:
+            pure = left_npu & finished  # NPU-only workers: no per-phase bookkeeping
+            for wid in _bits(left_npu ^ pure):
+                npu_end[wid] = position
+            for wid in _bits(left_cpu & ~pure):
+                cpu_end[wid] = position
+            if not position:
+                continue
+            mixed = finished ^ pure
+            hit = (position, 0, 0)
+            while pure:
+                low = pure & -pure
+                pure ^= low
+                worker = by_wid[low.bit_length() - 1]
+                if worker is not None:
+                    out[worker.dp_rank] = hit
+            for wid in _bits(mixed):
+                worker = by_wid[wid]
+                if worker is not None:
+                    n = npu_end.get(wid, position)
+                    c = cpu_end.get(wid, position)
+                    out[worker.dp_rank] = (n, c - n, position - c)
         return out
 
     def _hit(self, npu: int, cpu: int, disk: int) -> TierHit:

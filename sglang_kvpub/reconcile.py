@@ -69,7 +69,7 @@ IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 _PAGES_PER_CHECK = 16  # pages hashed between clock reads (~2-3 us each)
 _SCAN_PER_CHECK = 512  # announced entries examined between clock reads
 _SKIP_PER_CHECK = 1 << 16  # entries skipped (C speed) between clock reads
-_EMIT_PER_CHECK = 256  # stale hashes emitted between clock reads
+_EMIT_PER_CHECK = 64  # stale hashes emitted between clock reads (a 256 chunk took ~0.25 ms)
 _MARGIN = 0.75  # stop at this fraction of the budget: one unit of work may follow the check
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 

@@ -55,15 +55,17 @@ LEGACY_TREE_CLASS = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_CORE_CLASS = "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore"
 
 # Low-level helpers that free (part of) a node: the node is their first argument.
+# ``_remove_leaf_from_parent`` is not one: in 0.5.23 every caller first frees the node's
+# Full layers through ``_evict_component_and_detach_lru`` (touched) in the same operation,
+# or the node holds no Full KV (tombstone); settle sees the detachment either way.
 _TOUCH = {
     LEGACY_TREE_CLASS: ("_delete_leaf",),
-    UNIFIED_CORE_CLASS: ("_cascade_evict", "_evict_component_and_detach_lru", "_remove_leaf_from_parent"),
+    UNIFIED_CORE_CLASS: ("_cascade_evict", "_evict_component_and_detach_lru"),
 }
 # Public tree operations that may reach them: settle when the outermost one returns.
 _OUTER = {
     LEGACY_TREE_CLASS: ("evict",),
     UNIFIED_CORE_CLASS: (
-        "evict_device_next_node",
         "finish_mamba_state_eviction",
         "finish_swa_state_eviction",
         "evict_device_leaf",
@@ -76,9 +78,22 @@ _OUTER = {
         "dec_swa_lock_only",
     ),
 }
+# ``UnifiedTreeCore.evict_device_next_node`` mutates the tree only through the SWA and
+# Mamba components' step (the Full one just picks the next leaf; the core then calls
+# ``evict_device_leaf``): their step is the outer operation, on the component, whose
+# ``tree_core`` is the tree.  A Full-only tree pays nothing for selecting victims.
+SWA_COMPONENT_CLASS = "sglang.srt.mem_cache.unified_cache.components.swa.SWAComponent"
+MAMBA_COMPONENT_CLASS = "sglang.srt.mem_cache.unified_cache.components.mamba.MambaComponent"
+_COMPONENT_OUTER = {
+    SWA_COMPONENT_CLASS: ("_evict_device_next_node",),
+    MAMBA_COMPONENT_CLASS: ("_evict_device_next_node",),
+}
 _RESET = {LEGACY_TREE_CLASS: ("reset",), UNIFIED_CORE_CLASS: ("reset",)}
 
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
+# Caches for absorbing events: event type -> its name, SGLang medium value -> wire string.
+_KINDS: dict[type, str] = {}
+_MEDIUM_NAMES: dict[Any, str] = {None: MEDIUM_GPU}
 
 
 def medium_of(value: Any) -> str:
@@ -95,7 +110,8 @@ class Tracker:
         "announced",
         "corrections",
         "depth",
-        "entry_drift",
+        "entry_count",
+        "entry_tokens",
         "epoch",
         "lock",
         "pending",
@@ -124,8 +140,10 @@ class Tracker:
         # reconcile_* (reconcile.py).
         self.corrections: collections.Counter[str] = collections.Counter()
         self.epoch = 0
-        # GPU drift when the outermost hooked tree operation began (None: unknown).
-        self.entry_drift: int | None = None
+        # Announced GPU blocks and SGLang's device tokens when the outermost hooked tree
+        # operation began (entry_tokens None: not countable).
+        self.entry_count = 0
+        self.entry_tokens: int | None = None
         # Hashes ever removed from ``announced`` (reconcile.py resumes its scan with it).
         self.removals = 0
         self.lock = threading.RLock()
@@ -167,7 +185,9 @@ class Tracker:
 
     def _absorb_event(self, event: Any, start: int) -> bool:
         """Apply one event from hash ``start``; True when it is now empty and must go."""
-        kind = type(event).__name__
+        kind = _KINDS.get(type(event))
+        if kind is None:
+            kind = _KINDS[type(event)] = type(event).__name__
         if kind == "AllBlocksCleared":
             for marks in self.announced.values():
                 self.removals += len(marks)
@@ -178,10 +198,18 @@ class Tracker:
         hashes = getattr(event, "block_hashes", None)
         if hashes is None or start >= len(hashes):
             return False
-        medium = medium_of(getattr(event, "medium", None))
+        raw = getattr(event, "medium", None)
+        try:
+            medium = _MEDIUM_NAMES[raw]
+        except KeyError:
+            medium = _MEDIUM_NAMES[raw] = medium_of(raw)
+        except TypeError:  # unhashable
+            medium = medium_of(raw)
         fresh = hashes[start:] if start else hashes
-        announced = self.announced.setdefault(medium, {})
-        removed = self.plugin_removed.setdefault(medium, set())
+        announced = self.announced.get(medium)
+        if announced is None:
+            announced = self.announced[medium] = {}
+        removed = self.plugin_removed.get(medium)
         if kind == "BlockStored":
             announced.update(dict.fromkeys(fresh, self.epoch))
             if removed:
@@ -197,14 +225,15 @@ class Tracker:
             fresh = hashes[start:]
             if not hashes:
                 return True
+        # Announced entries removed = the dict's shrink (a hash listed twice pops once).
+        before = len(announced)
         pop = announced.pop
-        unknown = 0
         for block_hash in fresh:
-            if pop(block_hash, None) is None:
-                unknown += 1
-        self.removals += len(fresh) - unknown
-        if unknown:
-            self.corrections["unknown_removal"] += unknown
+            pop(block_hash, None)
+        gone = before - len(announced)
+        self.removals += gone
+        if gone != len(fresh):
+            self.corrections["unknown_removal"] += len(fresh) - gone
         return False
 
     def skip_to_end(self, queue: list[Any]) -> None:
@@ -218,7 +247,7 @@ def tracker_of(recorder: Any) -> Tracker:
     tracker = recorder.__dict__.get("_kvpub_tracker")
     if tracker is None:
         tracker = Tracker()
-        recorder.__dict__["_kvpub_tracker"] = tracker
+        recorder.__dict__["_kvpub_tracker"] = tracker  # an instance attribute: hooks read it directly
     return tracker
 
 
@@ -389,13 +418,21 @@ def node_end_hashes(recorder: Any, node: Any) -> tuple[int, int] | tuple[()]:
 
 
 # --------------------------------------------------------------------------- hooks
+#
+# Hot path: every hooked call pays the hook's frame, so the hooks below do the least
+# possible per call: the tracker is an instance attribute of the recorder, the device
+# counters are read through a per-class function (no missing-attribute lookups), the
+# queue is absorbed only when it changed, and nested outer operations only count depth.
 
 
 def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, node, *args, **kwargs)
     recorder = getattr(self, "kv_events", None)
     if recorder is not None and recorder.enabled:
-        tracker = tracker_of(recorder)
+        try:
+            tracker = recorder._kvpub_tracker
+        except AttributeError:
+            tracker = tracker_of(recorder)
         tracker.tree = self
         tracker.pending.append(node)
         if tracker.depth == 0:
@@ -403,36 +440,74 @@ def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, 
     return result
 
 
-def _outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    recorder = getattr(self, "kv_events", None)
-    if recorder is None or not recorder.enabled:
-        return original(self, *args, **kwargs)
-    tracker = tracker_of(recorder)
-    if tracker.depth == 0:
-        tracker.entry_drift = gpu_drift(self, tracker)
-    tracker.depth += 1
-    try:
-        return original(self, *args, **kwargs)
-    finally:
-        tracker.depth -= 1
-        if tracker.depth == 0 and tracker.pending:
-            tracker.tree = self
-            if _unchanged(self, tracker):
-                tracker.pending.clear()
-            else:
-                settle(self)
+def _unified_tokens(tree: Any) -> int:
+    """Full device tokens of a ``UnifiedTreeCore`` (ComponentType.FULL == 0)."""
+    return tree.component_evictable_size_[0] + tree.component_protected_size_[0]
 
 
-def _unchanged(tree: Any, tracker: Tracker) -> bool:
-    """Fast path: SGLang announced every device release of the operation itself.
+def _legacy_tokens(tree: Any) -> int:
+    return tree.evictable_size_ + tree.protected_size_
 
-    Announced GPU blocks minus SGLang's device page counter did not move during the
-    operation (and nothing is announced on host, which has no such counter), so every
-    page that left HBM was removed by SGLang's own events: no per-node check needed.
+
+def _make_outer_hook(tokens: Callable[[Any], int], component: bool = False) -> Callable[..., Any]:
+    """AROUND hook for a public tree operation; settles when the outermost one returns.
+
+    Entry (outermost only): the announced GPU count (queue absorbed) and SGLang's device
+    token counter.  Exit with touched nodes: if announced minus device pages did not
+    move, SGLang announced every device release itself (see :func:`_settle_or_drop`).
+    ``component``: the method belongs to a tree component; its ``tree_core`` is the tree.
     """
-    if tracker.entry_drift is None or tracker.announced.get(MEDIUM_CPU):
-        return False
-    return gpu_drift(tree, tracker) == tracker.entry_drift
+
+    def outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+        tree = getattr(self, "tree_core", None) if component else self
+        recorder = getattr(tree, "kv_events", None)
+        if recorder is None or not recorder.enabled:
+            return original(self, *args, **kwargs)
+        try:
+            tracker = recorder._kvpub_tracker
+        except AttributeError:
+            tracker = tracker_of(recorder)
+        depth = tracker.depth
+        if depth == 0:
+            tracker.absorb(recorder._queue)
+            try:
+                tracker.entry_tokens = tokens(tree)
+                tracker.entry_count = len(tracker.announced[MEDIUM_GPU])
+            except (AttributeError, KeyError, TypeError):
+                tracker.entry_tokens = None
+        tracker.depth = depth + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tracker.depth = depth
+            if depth == 0 and tracker.pending:
+                _settle_or_drop(tree, recorder, tracker, tokens)
+
+    return outer_hook
+
+
+def _settle_or_drop(tree: Any, recorder: Any, tracker: Tracker, tokens: Callable[[Any], int]) -> None:
+    """End of the outermost operation that touched nodes.
+
+    Fast path: nothing announced on host (no counter there) and announced GPU blocks
+    minus SGLang's device page counter did not move during the operation: every page
+    that left HBM was removed by SGLang's own events, so the touched nodes are dropped
+    unchecked.  Otherwise each touched node is checked (:func:`settle`).
+    """
+    tracker.tree = tree
+    entry_tokens = tracker.entry_tokens
+    if entry_tokens is not None and not tracker.announced.get(MEDIUM_CPU):
+        tracker.absorb(recorder._queue)
+        try:
+            page = tree.page_size
+            now = len(tracker.announced[MEDIUM_GPU]) - tokens(tree) // page
+            unchanged = now == tracker.entry_count - entry_tokens // page
+        except (AttributeError, KeyError, TypeError, ZeroDivisionError):
+            unchanged = False
+        if unchanged:
+            tracker.pending.clear()
+            return
+    settle(tree)
 
 
 def device_pages(tree: Any) -> int:
@@ -464,21 +539,43 @@ def _reset_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: A
 
 
 def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs: Any) -> Any:
-    if recorder.enabled:
+    if not recorder.enabled:
+        return original(recorder, *args, **kwargs)
+    try:
+        tracker = recorder._kvpub_tracker
+    except AttributeError:
         tracker = tracker_of(recorder)
-        with tracker.lock:
-            if tracker.pending and tracker.tree is not None and tracker.depth == 0:
-                settle(tracker.tree)
-            tracker.absorb(recorder._queue)
-    return original(recorder, *args, **kwargs)
+    if tracker.pending and tracker.tree is not None and tracker.depth == 0:
+        settle(tracker.tree)  # takes the tracker's lock
+    # Tree operations, their hooks and ``take`` run on the scheduler thread: no lock here.
+    tracker.absorb(recorder._queue)
+    events = original(recorder, *args, **kwargs)
+    # Follow the fresh queue now: holding the drained list would delay freeing the
+    # taken batch into whatever absorbs next (an idle reconciliation slice).
+    tracker.skip_to_end(recorder._queue)
+    return events
+
+
+# One outer hook per tree class, reading that class's device counters.
+_OUTER_HOOKS = {
+    LEGACY_TREE_CLASS: _make_outer_hook(_legacy_tokens),
+    UNIFIED_CORE_CLASS: _make_outer_hook(_unified_tokens),
+}
+_COMPONENT_OUTER_HOOK = _make_outer_hook(_unified_tokens, component=True)
 
 
 def hook_targets() -> list[tuple[str, Callable[..., Any]]]:
     """Every (dotted target, AROUND hook) the release hooks install."""
     targets: list[tuple[str, Callable[..., Any]]] = [(f"{RECORDER_CLASS}.take", _take_hook)]
-    for table, hook in ((_TOUCH, _touch_hook), (_OUTER, _outer_hook), (_RESET, _reset_hook)):
-        for cls, methods in table.items():
-            targets.extend((f"{cls}.{method}", hook) for method in methods)
+    for cls, methods in _TOUCH.items():
+        targets.extend((f"{cls}.{method}", _touch_hook) for method in methods)
+    for cls, methods in _OUTER.items():
+        outer = _OUTER_HOOKS[cls]
+        targets.extend((f"{cls}.{method}", outer) for method in methods)
+    for cls, methods in _COMPONENT_OUTER.items():
+        targets.extend((f"{cls}.{method}", _COMPONENT_OUTER_HOOK) for method in methods)
+    for cls, methods in _RESET.items():
+        targets.extend((f"{cls}.{method}", _reset_hook) for method in methods)
     return targets
 
 
@@ -499,7 +596,7 @@ def install_release_hooks(registry: Any | None = None, *, classes: Iterable[str]
     with _install_lock:
         for target, hook in hook_targets():
             owner, method = target.rsplit(".", 1)
-            if wanted is not None and owner not in wanted and owner != RECORDER_CLASS:
+            if wanted is not None and _class_of_target(owner) not in wanted and owner != RECORDER_CLASS:
                 continue
             if target in _installed or not _exists(owner, method):
                 continue
@@ -510,6 +607,11 @@ def install_release_hooks(registry: Any | None = None, *, classes: Iterable[str]
             _installed.add(target)
             done.append(target)
     return done
+
+
+def _class_of_target(owner: str) -> str:
+    """The tree class a target belongs to (the unified core's components go with it)."""
+    return UNIFIED_CORE_CLASS if owner in _COMPONENT_OUTER else owner
 
 
 def _around(registry: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -177,6 +178,92 @@ def test_inflight_load_decays() -> None:
     load.add(1, 1000.0, now=10.0)
     assert load.values(now=10.0) == [0.0, 1000.0]
     assert load.values(now=11.0)[1] == pytest.approx(500.0)
+
+
+def _reference(d: CacheAwareDispatcher, tokens: list[int], loads: list[float], candidates: list[int] | None,
+               lora: str | None, start: int) -> tuple[Any, ...]:  # fmt: skip
+    """The decision rule spelled out on the index's general query (rank order rotated by ``start``)."""
+    isl = len(tokens)
+    ranks = [r for r in (range(d.dp_size) if candidates is None else candidates) if 0 <= r < len(loads)]
+    order = ranks[start:] + ranks[:start]
+    hits = d.index.query(tokens, lora_name=lora, instances=[d.instance]).get(d.instance, {})
+
+    def matched(rank: int) -> int:
+        hit = hits.get(rank)
+        if hit is None:
+            return 0
+        weighted = hit.npu_blocks * d.weights[0] + hit.cpu_blocks * d.weights[1] + hit.disk_blocks * d.weights[2]
+        return min(round(weighted * d.block_size), isl)
+
+    def cost(rank: int) -> float:
+        return d.prefill_load_scale * max(0.0, isl - d.overlap_credit * matched(rank)) + d.load_weight * loads[rank]
+
+    best = min(order, key=cost)  # first among equals
+    reason = REASON_CACHE_HIT if matched(best) > 0 else REASON_NO_HIT
+    least = min(order, key=loads.__getitem__)
+    limit = max(d.hotspot_spread or 0.0, (d.hotspot_relative or 0.0) * sum(loads[r] for r in order) / len(order))
+    if loads[best] - loads[least] > limit:
+        best, reason = least, REASON_HOTSPOT
+    hit = hits.get(best)
+    tiers = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks) if hit else (0, 0, 0)
+    return (best, reason, matched(best), *tiers, float(loads[best]), cost(best))
+
+
+@pytest.mark.unit
+def test_decisions_equal_the_rule_on_the_general_query_on_random_data() -> None:
+    rng = random.Random(11)
+    d = CacheAwareDispatcher(8, 16, hotspot_spread=100.0, hotspot_relative=0.5, w_disk=0.5, load_weight=0.1)
+    heads = [[rng.randrange(100) for _ in range(3 * 16)] for _ in range(3)]
+    prompts = [rng.choice(heads) + [rng.randrange(100) for _ in range(rng.randrange(0, 8) * 16)] for _ in range(20)]
+    engine_id = 1
+    for step in range(400):
+        toks, rank = rng.choice(prompts), rng.randrange(8)
+        blocks = len(toks) // 16
+        if rng.random() < 0.8:
+            count = rng.randrange(1, blocks + 1)
+            medium = rng.choice(["GPU", "GPU", "CPU_PINNED", "DISK"])
+            lora = rng.choice([None, None, "adapter"])
+            event = BlockStored(list(range(engine_id, engine_id + count)), None, toks[: count * 16], 16, medium=medium,
+                                lora_name=lora)  # fmt: skip
+            engine_id += count
+            d.observe(EventBatch(0.0, [event], rank))
+        else:
+            d.observe(EventBatch(0.0, [BlockRemoved([rng.randrange(engine_id)])], rank))
+        query = rng.choice(prompts)[: rng.randrange(1, 12) * 16 + rng.randrange(16)] + [rng.randrange(100)] * 40
+        loads = [float(rng.choice([0, 50, 100, 400, 900])) for _ in range(8)]
+        candidates = rng.choice([None, list(range(8)), [1, 3, 5, 6], [7, 2, 9]])
+        lora = rng.choice([None, "adapter"])
+        prompt = array("q", query) if step % 2 else query
+        expected_ranks = [r for r in (range(8) if candidates is None else candidates) if 0 <= r < 8]
+        start = (d._rotation + 1) % len(expected_ranks)
+        expected = _reference(d, query, loads, candidates, lora, start)
+        got = d.choose(prompt, loads, candidates=candidates, lora_name=lora)
+        assert (got.rank, got.reason, got.matched_tokens, got.npu_blocks, got.cpu_blocks, got.disk_blocks,
+                got.load, got.cost) == expected  # fmt: skip
+
+
+@pytest.mark.unit
+def test_cold_prompt_hashes_only_its_first_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang_kvpub.dispatch as dispatch_module
+
+    d = CacheAwareDispatcher(4, BLOCK)
+    held = _tokens(6 * BLOCK)
+    _store(d, 2, held[: 2 * BLOCK])
+    hashed: list[int] = []
+    real = dispatch_module.local_block_hashes
+
+    def counting(tokens: Any, block_size: int, seed: int = 1337, max_blocks: int | None = None) -> list[int]:
+        out = real(tokens, block_size, seed, max_blocks)
+        hashed.append(len(out))
+        return out
+
+    monkeypatch.setattr(dispatch_module, "local_block_hashes", counting)
+    assert d.choose(_tokens(48 * BLOCK, salt=9), [0.0] * 4).reason == REASON_NO_HIT
+    assert sum(hashed) == 1  # block 0 held by no rank: nothing more hashed
+    hashed.clear()
+    decision = d.choose(held + _tokens(42 * BLOCK, salt=9), [0.0] * 4)
+    assert (decision.rank, decision.matched_tokens) == (2, 2 * BLOCK)
+    assert sum(hashed) < 48  # the walk stopped after block 2: later chunks never hashed
 
 
 # --------------------------------------------------------------------------- fan-in feed

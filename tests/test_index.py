@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -547,3 +548,71 @@ def test_matches_naive_model(ops: list[tuple[int, ...]], signed: bool) -> None:
     for worker in WORKERS:
         for medium in MEDIA:
             assert idx.resident(worker[0], worker[1], medium) == set(model.held[worker][medium])
+
+
+# ---------------------------------------------------------------------- longest_prefixes (one instance, lean)
+
+
+def _as_tuples(hits: dict[int, TierHit]) -> dict[int, tuple[int, int, int]]:
+    return {rank: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for rank, h in hits.items()}
+
+
+@pytest.mark.parametrize("media", [[MEDIUM_GPU], [MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK]], ids=["npu_only", "tiers"])
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_longest_prefixes_equals_query_keys_on_random_data(media: list[str], capacity: int | None) -> None:
+    rng = random.Random(len(media) * 100 + (capacity or 0))
+    idx = PrefixIndex(BS, capacity_blocks=capacity)
+    shared = [rng.randrange(50) for _ in range(3 * BS)]  # a common head: multi-holder masks
+    prompts = [shared + [rng.randrange(50) for _ in range(rng.randrange(1, 6) * BS)] for _ in range(12)]
+    instances = ["a", "b"]
+    for step in range(300):
+        inst, rank = rng.choice(instances), rng.randrange(20)  # > 1 worker per instance, wide masks
+        toks = rng.choice(prompts)
+        blocks = len(toks) // BS
+        roll = rng.random()
+        if roll < 0.6:
+            first = rng.randrange(blocks)
+            store(idx, inst, rank, toks[: rng.randrange(first + 1, blocks + 1) * BS], first=first,
+                  medium=rng.choice(media), salt=rng.randrange(2), merged=rng.random() < 0.5)  # fmt: skip
+        elif roll < 0.9:
+            hashes = [ehash(k, rng.randrange(2)) for k in sequence_keys(toks, BS)]
+            gone = rng.sample(hashes, rng.randrange(1, 3))
+            idx.apply_event(inst, rank, BlockRemoved(block_hashes=gone, medium=rng.choice(media)))
+        elif roll < 0.97:
+            idx.clear_rank(inst, rank, rng.choice([None, *media]))
+        else:
+            idx.clear_instance(inst)
+        if step % 5:
+            continue
+        for toks in [*prompts, [rng.randrange(50) for _ in range(4 * BS)]]:
+            keys = sequence_keys(toks, BS)
+            cut = keys[: rng.randrange(1, len(keys) + 1)]
+            for inst in [*instances, "unknown"]:
+                expected = _as_tuples(idx.query_keys(cut, [inst]).get(inst, {}))
+                assert idx.longest_prefixes(inst, cut) == expected
+                assert idx.longest_prefixes(inst, iter(cut)) == expected  # a one-shot iterator too
+
+
+@pytest.mark.parametrize("medium", [MEDIUM_GPU, MEDIUM_CPU])
+def test_longest_prefixes_pulls_keys_only_up_to_the_first_unheld(medium: str) -> None:
+    idx = PrefixIndex(BS, capacity_blocks=1000)
+    toks = tokens(8)
+    store(idx, "a", 0, toks[: 3 * BS], medium=medium)
+    store(idx, "a", 1, toks[: 5 * BS], medium=medium)
+    store(idx, "b", 2, toks, medium=medium)  # another instance holds all 8: it does not count
+    keys = sequence_keys(toks, BS)
+    pulled: list[int] = []
+
+    def lazy() -> Iterator[int]:
+        for key in keys:
+            pulled.append(key)
+            yield key
+
+    hits = idx.longest_prefixes("a", lazy())
+    assert hits == ({0: (3, 0, 0), 1: (5, 0, 0)} if medium == MEDIUM_GPU else {0: (0, 3, 0), 1: (0, 5, 0)})
+    assert pulled == keys[:6]  # block 5 is held by no rank of "a": the walk stops there
+    pulled.clear()
+    assert idx.longest_prefixes("a", lazy()) == hits  # and again (recency touches change no answer)
+    assert idx.longest_prefixes("a", iter([])) == {}
+    assert idx.longest_prefixes("zzz", lazy()) == {} and pulled == keys[:6]  # unknown instance: nothing pulled
+    assert idx.stats().queries == 4
