@@ -52,6 +52,7 @@ checks them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -90,6 +91,7 @@ log = logging.getLogger(__name__)
 
 EPOCH_LIMIT = 1 << 23
 _MAX_JOBS = 64
+_JOB_STALL_S = 30.0  # a replay client that reads nothing for this long is dropped
 _SLICE_MESSAGES = 32
 _CHANNEL_BURST = 512
 # Plain ints: pyzmq's enum flags cost microseconds per frame in ``flags | SNDMORE``.
@@ -120,6 +122,7 @@ class _Job:
         self.items = items
         self.pending: tuple[list[bytes], bool] | None = None
         self.done = False
+        self.stalled_since: float | None = None  # when the client stopped reading
 
 
 class _RateLog:
@@ -272,6 +275,10 @@ class FanIn:
         mono: float,
     ) -> None:
         """Under the lock: sequence check, decode, publish; queues the residency update."""
+        if not 0 <= dp_rank < self.dp_size:  # state is kept per rank: never per network-chosen key
+            self._counts["malformed"] += 1
+            self._log_malformed("kvpub fan-in: dp_rank %d outside dp_size %d; batch dropped", dp_rank, self.dp_size)
+            return
         if not self._track(dp_rank, rank_epoch, rank_seq, wall, mono):
             return
         if isinstance(batch_or_payload, EventBatch):
@@ -294,7 +301,11 @@ class FanIn:
         if pending:
             self._pending = []
             for dp_rank, events in pending:
-                self._residency_of(dp_rank).apply_all(events)
+                try:
+                    self._residency_of(dp_rank).apply_all(events)
+                except Exception as exc:  # a rank's bad input must never stop the fan-in loop
+                    self._counts["malformed"] += 1
+                    self._log_malformed("kvpub fan-in: rank %d batch not applied to residency: %s", dp_rank, exc)
 
     def _decode_rank_payload(self, dp_rank: int, payload: bytes) -> tuple[list[Any], bytes] | None:
         """``(events, payload to publish)``, or None for a malformed payload (counted)."""
@@ -415,7 +426,9 @@ class FanIn:
         next_liveness = time.monotonic() + heartbeat
         while not self._stop.is_set():
             now = time.monotonic()
-            wait_s = 0.0 if self._jobs else min(max(0.0, next_beat - now), 0.1)
+            # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
+            runnable = any(job.pending is None for job in self._jobs)
+            wait_s = 0.0 if runnable else min(max(0.0, next_beat - now), 0.01 if self._jobs else 0.1)
             if poller.sockets:
                 ready = dict(poller.poll(int(wait_s * 1000)))
             else:
@@ -484,7 +497,8 @@ class FanIn:
                 continue
             if len(self._jobs) >= _MAX_JOBS:
                 self._counts["replays_rejected"] += 1
-                self._jobs.append(_Job(identity, iter(())))
+                with contextlib.suppress(zmq.ZMQError):  # best effort: an empty reply, never queued
+                    router.send_multipart(replay_end_frames(identity), flags=zmq.NOBLOCK)
                 continue
             self._jobs.append(_Job(identity, self._reply_items(start_seq, snapshot)))
 
@@ -546,10 +560,17 @@ class FanIn:
                     router.send_multipart(message, flags=zmq.NOBLOCK)
                 except zmq.Again:
                     job.pending = (message, is_end)  # the client reads slowly: retry on a later turn
+                    now = time.monotonic()
+                    if job.stalled_since is None:
+                        job.stalled_since = now
+                    elif now - job.stalled_since > _JOB_STALL_S:  # it stopped reading: free the slot
+                        job.done = True
+                        self._counts["replays_abandoned"] += 1
                     break
                 except zmq.ZMQError:  # EHOSTUNREACH: the client went away
                     job.done = True
                     break
+                job.stalled_since = None
                 if is_end:
                     job.done = True
                     break
@@ -608,6 +629,7 @@ _COUNTERS = (
     "replays_served",
     "snapshots_served",
     "replays_rejected",
+    "replays_abandoned",
     "replays_truncated",
     "rank_restarts",
     "rank_silences",

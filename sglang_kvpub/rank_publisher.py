@@ -326,7 +326,7 @@ class RankPublisher:
                 batch = self._decoder.decode(self._foreign_encoder.encode(batch))
             enrich_batch(batch, dp_rank=self.dp_rank, block_size=self.block_size, hash_form=self.config.hash_form)
             return self._encoder.encode(batch)
-        except (WireError, TypeError, ValueError) as exc:
+        except (WireError, TypeError, ValueError, OverflowError, msgspec.MsgspecError) as exc:
             # The seq stays unused: the fan-in counts a gap for this rank.
             self._encode_errors += 1
             log.warning("kvpub rank %d: dropping a batch that cannot be encoded: %s", self.dp_rank, exc)
@@ -375,8 +375,11 @@ class _Sender:
     def _run(self) -> None:
         while True:
             for publisher in list(self._publishers):  # snapshot: register() may append
-                publisher._drain(time.monotonic())
-                publisher._watch()
+                try:
+                    publisher._drain(time.monotonic())
+                    publisher._watch()
+                except Exception:  # one rank's failure must not stop every rank of the process
+                    log.exception("kvpub rank %d: sender step failed; continuing", publisher.dp_rank)
             with self.lock:
                 deadline = self._housekeep(time.monotonic())
                 if deadline is None:

@@ -75,7 +75,11 @@ def _token_bytes(tokens: list[int]) -> tuple[bytes, bool]:
     try:
         return array("I", tokens).tobytes(), False
     except (OverflowError, TypeError):
+        pass
+    try:
         return array("q", tokens).tobytes(), True
+    except (OverflowError, TypeError):
+        raise WireError("bad token_ids", "outside the signed 64-bit range") from None
 
 
 def _entry(parent: int | None, tokens: bytes, wide: bool) -> bytes:
@@ -232,7 +236,14 @@ class RankResidency:
         hashes = event.block_hashes
         if not hashes:
             return
-        raw, wide = _token_bytes(token_ids)
+        if len(token_ids) % len(hashes):  # not whole blocks: never snapshot a misaligned slice
+            self.invalid_tokens += len(hashes)
+            return
+        try:
+            raw, wide = _token_bytes(token_ids)
+        except WireError:
+            self.invalid_tokens += len(hashes)
+            return
         step = (len(raw) // len(hashes)) if raw else 0
         extras: _Extras = (event.lora_id, event.lora_name, event.cache_salt, event.session_id)
         has_extras = extras != (None, None, None, None)
@@ -337,7 +348,7 @@ class RankResidency:
         entry = self._media[medium][block_hash]
         try:
             tokens = _tokens_of(entry)
-        except WireError:  # undecodable raw tokens: left out (children start new roots)
+        except (WireError, ValueError):  # undecodable raw tokens: left out (children start new roots)
             self.invalid_tokens += 1
             return None
         return _stored(block_hash, _parent_of(entry), tokens, medium, self._extras.get((medium, block_hash)))

@@ -123,7 +123,11 @@ def replay(context: zmq.Context, endpoint: str, start_seq: int, snapshot: bool) 
         while time.monotonic() < deadline:
             if not dealer.poll(_POLL_MS):
                 continue
-            reply = wire.parse_replay_reply(dealer.recv_multipart())
+            try:
+                reply = wire.parse_replay_reply(dealer.recv_multipart())
+            except wire.WireError as exc:
+                print(f"skipped malformed replay reply: {exc}", file=sys.stderr)
+                continue
             if reply.is_end:
                 return
             deadline = time.monotonic() + _REPLAY_TIMEOUT_S
@@ -156,6 +160,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
         return _loop(args, context, sub, stop, Printer(out, args.json), SeqTracker(err), err)
     except KeyboardInterrupt:
         return 0
+    except TimeoutError as exc:
+        print(f"replay failed: {exc}", file=err)
+        return 1
     finally:
         sub.close()
         context.term()

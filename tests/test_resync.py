@@ -125,13 +125,13 @@ def test_broken_callback_does_not_stop_the_sender(channel: str) -> None:
     def boom() -> None:
         raise RuntimeError("callback bug")
 
-    fanin = FanIn(config, 1, channel_endpoint=channel)
+    fanin = FanIn(config, 4, channel_endpoint=channel)
     fanin.start()
     publisher = RankPublisher(config, 3, PAGE, channel, on_resync=boom)
     try:
         wait_for(lambda: publisher.stats["peer_connects"] == 1, "the first handshake")
         fanin.stop()
-        fanin = FanIn(config, 1, channel_endpoint=channel)
+        fanin = FanIn(config, 4, channel_endpoint=channel)
         fanin.start()
         wait_for(lambda: publisher.resync_requested, "the resync request")
         publisher.publish(wire.EventBatch(ts=1.0, events=[wire.AllBlocksCleared()]))
