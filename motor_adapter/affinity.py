@@ -305,6 +305,15 @@ def _token_problem(token_ids: Sequence[int]) -> str | None:
 
 
 def _stop_all(subscribers: Sequence[_Subscriber]) -> None:
+    """Signals every subscriber first, then joins them: N threads wind down together, not one
+    poll interval after another (a 256-rank compat registration would otherwise stall)."""
+    for sub in subscribers:
+        request_stop = getattr(sub, "request_stop", None)  # optional: test doubles may lack it
+        if request_stop is not None:
+            try:
+                request_stop()
+            except Exception:
+                _log.exception("signalling a stream subscriber to stop failed")
     for sub in subscribers:
         try:
             sub.stop()

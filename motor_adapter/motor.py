@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 from urllib.parse import urlsplit
 
+from motor_adapter.affinity import compat_endpoints
 from motor_adapter.scoring import ConfigError, KvAffinityConfig
 
 __all__ = [
@@ -45,6 +46,7 @@ MEDIUM_ALIASES: dict[str, str] = {
 }
 DEFAULT_TENANT = "default"
 _MAX_DP = 4096
+MAX_COMPAT_DP = 256  # compat mode starts one subscriber thread per rank: keep one registration bounded
 
 StreamMode = Literal["engine", "compat", "pool", "http_only"]
 
@@ -195,11 +197,29 @@ def parse_registration(body: Any) -> Registration:
             f"subscribing to {dp_size} rank ports from {stream} (run the engine with --plugin sglang_kvpub "
             "and register fanned_in: true for one stream with replay and snapshot)"
         )
+    if compat is not None:
+        _check_compat(stream, replay, compat)
     if legacy and not media:
         media = {"npu": legacy} if mode in ("engine", "compat") else dict.fromkeys(("npu", "cpu", "disk"), legacy)
     return Registration(
         media=media, stream=stream, mode=mode, compat_dp_size=compat, warnings=tuple(warnings), **fields
     )
+
+
+def _check_compat(stream: Union[str, None], replay: Union[str, None], dp_size: int) -> None:
+    """Refuses a compat registration whose rank ports cannot exist, before anything subscribes."""
+    if dp_size > MAX_COMPAT_DP:
+        raise RegistrationError(
+            f"dp_size {dp_size} > {MAX_COMPAT_DP} in compatibility mode (one subscription per rank); "
+            "run the engine with --plugin sglang_kvpub and register fanned_in: true"
+        )
+    for key, url in (("stream endpoint", stream), ("replay_endpoint", replay)):
+        if url is None:
+            continue
+        try:
+            compat_endpoints(url, dp_size)
+        except ValueError as exc:
+            raise RegistrationError(f"{key}: {exc}") from exc
 
 
 def _interpret(

@@ -18,10 +18,12 @@ bad one gets a 4xx JSON ``{"error", "detail"}`` and is counted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -62,6 +64,9 @@ _U32_MAX = 0xFFFFFFFF
 _U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
+MAX_STREAMS_ENV = "MOTOR_KV_ADAPTER_MAX_STREAMS"
+_MAX_REGISTRATIONS = 1 << 16  # registration records (cheap, but a flood must not grow them forever)
+_CONFIGS_MAX = 64  # cached scoring configs: block_size comes from the network
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
@@ -119,6 +124,12 @@ class ServiceConfig:
     rate_limit_burst: int = 200
     curve_server_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # stream URL -> key
     curve_client_secret_key_file: Union[str, None] = None
+    # Subscriptions followed at once (a compat registration counts one per rank): 429 beyond.
+    max_streams: int = 1024
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
+            raise ConfigError([f"max_streams must be an integer >= 1, got {self.max_streams!r}"])
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -143,6 +154,11 @@ class ServiceConfig:
             values["kv_affinity"] = KvAffinityConfig.from_motor(source)
         if not values.get("auth_token") and env.get(TOKEN_ENV):
             values["auth_token"] = env[TOKEN_ENV]
+        if "max_streams" not in values and env.get(MAX_STREAMS_ENV):
+            try:
+                values["max_streams"] = int(env[MAX_STREAMS_ENV])
+            except ValueError as exc:
+                raise ConfigError([f"{MAX_STREAMS_ENV} must be an integer, got {env[MAX_STREAMS_ENV]!r}"]) from exc
         return cls(**values)
 
     @classmethod
@@ -194,6 +210,7 @@ def u32_tokens(tokens: Sequence[int]) -> array[int]:
 class _Index:
     affinity: KvAffinity
     users: dict[str, set[tuple[str, str, str, int]]]  # stream URL -> registration keys
+    costs: dict[str, int] = dataclasses.field(default_factory=dict)  # stream URL -> subscriptions it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,6 +248,24 @@ def _plans(regs: Sequence[Registration], block_size: int) -> tuple[_Plan, ...]:
     return tuple(plans)
 
 
+def _index_key(reg: Registration) -> tuple[str, str, int]:
+    return (reg.model, reg.tenant, reg.block_size)
+
+
+def _cost(reg: Registration) -> int:
+    """Subscriptions a registration's stream runs: one, or one per rank in compat mode."""
+    return reg.compat_dp_size or 1
+
+
+def _run(stops: Sequence[tuple[KvAffinity, str]], starts: Sequence[tuple[KvAffinity, Registration]]) -> None:
+    """Stops, then starts, subscriptions (joins and spawns threads: never under ``_lock``)."""
+    for affinity, url in stops:
+        affinity.remove_instance(url)
+    for affinity, reg in starts:
+        assert reg.stream is not None
+        affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
+
+
 def _source(reg: Registration) -> tuple[Any, ...]:
     """What a subscription depends on: equal sources share one subscriber and its index."""
     return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
@@ -250,6 +285,7 @@ class AdapterState:
             )
         )
         self._lock = threading.RLock()  # registrations may change while queries read them
+        self._reg_lock = threading.Lock()  # orders registration changes; queries never take it
         self._registrations: dict[tuple[str, str, str, int], Registration] = {}
         self._indexes: dict[tuple[str, str, int], _Index] = {}
         self._tokenizers: dict[str, Any] = {}
@@ -260,19 +296,35 @@ class AdapterState:
     # ------------------------------------------------------------------ registration
 
     def register(self, reg: Registration) -> dict[str, Any]:
-        """Adds or replaces one ``(instance_id, dp_rank)``; the same registration again is a no-op."""
-        with self._lock:
-            old = self._registrations.get(reg.key)
-            if old is not None and old.same_as(reg):
-                return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
-            self._registrations[reg.key] = reg
-            self._views.clear()
-            if old is None or _source(old) != _source(reg):
+        """Adds or replaces one ``(instance_id, dp_rank)``; the same registration again is a no-op.
+
+        Subscribers start and stop outside ``_lock`` (joining threads takes a while and queries
+        take that lock on a view-cache miss); ``_reg_lock`` orders registration changes.
+        Raises 429 ``too_many_streams`` / ``too_many_registrations`` past the caps. If the
+        subscription cannot start, the previous state is restored and the error re-raised.
+        """
+        with self._reg_lock:
+            with self._lock:
+                old = self._registrations.get(reg.key)
+                if old is not None and old.same_as(reg):
+                    return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
+                resubscribe = old is None or _source(old) != _source(reg)
+                if old is None and len(self._registrations) >= _MAX_REGISTRATIONS:
+                    raise RequestError(429, "too_many_registrations", f"{_MAX_REGISTRATIONS} registrations")
+                if resubscribe:
+                    self._check_streams(old, reg)
+                self._registrations[reg.key] = reg
+                self._views.clear()
                 # Same stream (e.g. Motor's pool-mode re-registration repeating the URL under
                 # cpu/disk): the record changes, the subscription and its index stay.
-                if old is not None:
-                    self._detach(old)
-                self._attach(reg)
+                stops = self._unbook(old) if resubscribe and old is not None else []
+                starts = self._book(reg) if resubscribe else []
+            try:
+                _run(stops, starts)
+            except Exception:
+                log.exception("register %s dp %d: following %s failed", reg.instance_id, reg.dp_rank, reg.stream)
+                self._roll_back(old, reg)
+                raise
         for warning in reg.warnings:
             log.warning("register %s dp %d: %s", reg.instance_id, reg.dp_rank, warning)
         log.info(
@@ -282,46 +334,96 @@ class AdapterState:
         self.metrics.registrations.inc(changed=str(old is not None).lower())
         return {"status": "ok", "changed": True, "warnings": list(reg.warnings)}
 
-    def _attach(self, reg: Registration) -> None:
-        index_key = (reg.model, reg.tenant, reg.block_size)
-        entry = self._indexes.get(index_key)
+    def _streams(self) -> dict[tuple[tuple[str, str, int], str], int]:
+        """Subscriptions followed now: ``(index key, URL) -> subscriber count`` (under ``_lock``)."""
+        return {(key, url): cost for key, entry in self._indexes.items() for url, cost in entry.costs.items()}
+
+    def _check_streams(self, old: Registration | None, reg: Registration) -> None:
+        """429 when replacing ``old`` by ``reg`` would follow more than ``max_streams`` (under ``_lock``)."""
+        streams = self._streams()
+        before = sum(streams.values())
+        if old is not None and old.stream is not None:
+            entry = self._indexes.get(_index_key(old))
+            if entry is not None and entry.users.get(old.stream, set()) <= {old.key}:
+                streams.pop((_index_key(old), old.stream), None)
+        if reg.stream is not None:
+            streams[(_index_key(reg), reg.stream)] = _cost(reg)
+        after = sum(streams.values())
+        limit = self.config.max_streams
+        if after > limit and after > before:
+            detail = f"following {reg.stream} would make {after} subscriptions > max_streams {limit}"
+            raise RequestError(429, "too_many_streams", detail)
+
+    def _book(self, reg: Registration) -> list[tuple[KvAffinity, Registration]]:
+        """Records ``reg`` as a user of its stream (under ``_lock``); returns the subscription to start."""
+        key = _index_key(reg)
+        entry = self._indexes.get(key)
         if entry is None:
             cfg = self.scoring_config(reg.block_size)
-            entry = self._indexes[index_key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
+            entry = self._indexes[key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
         if reg.stream is None:
-            return
-        users = entry.users.setdefault(reg.stream, set())
-        users.add(reg.key)
+            return []
+        entry.users.setdefault(reg.stream, set()).add(reg.key)
+        entry.costs[reg.stream] = _cost(reg)
         # Idempotent for the same source; a different mode or replay URL replaces the subscription.
-        entry.affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
+        return [(entry.affinity, reg)]
 
-    def _detach(self, reg: Registration) -> None:
-        entry = self._indexes.get((reg.model, reg.tenant, reg.block_size))
+    def _unbook(self, reg: Registration) -> list[tuple[KvAffinity, str]]:
+        """Forgets ``reg`` as a user of its stream (under ``_lock``); returns the subscription to
+        stop when it was the last registration naming that URL."""
+        entry = self._indexes.get(_index_key(reg))
         if entry is None or reg.stream is None:
-            return
+            return []
         users = entry.users.get(reg.stream)
         if users is None:
-            return
+            return []
         users.discard(reg.key)
-        if not users:  # the last registration naming this URL: stop following it
-            del entry.users[reg.stream]
-            entry.affinity.remove_instance(reg.stream)
+        if users:
+            return []
+        del entry.users[reg.stream]
+        entry.costs.pop(reg.stream, None)
+        return [(entry.affinity, reg.stream)]
+
+    def _roll_back(self, old: Registration | None, reg: Registration) -> None:
+        """Undoes a registration whose subscription failed: ``old`` again (re-followed), or nothing."""
+        with self._lock:
+            if self._registrations.get(reg.key) is reg:
+                if old is None:
+                    del self._registrations[reg.key]
+                else:
+                    self._registrations[reg.key] = old
+            self._views.clear()
+            stops = self._unbook(reg)
+            starts = self._book(old) if old is not None else []
+            entry = self._indexes.get(_index_key(reg))
+            users = entry.users.get(reg.stream, set()) if entry is not None and reg.stream is not None else set()
+            if users and not stops:  # a failed replace may have stopped the URL other registrations share
+                survivor = self._registrations.get(next(iter(users)))
+                if survivor is not None:
+                    starts += self._book(survivor)
+        try:
+            _run(stops, starts)
+        except Exception:
+            log.exception("register %s dp %d: restoring the previous subscription failed", reg.instance_id, reg.dp_rank)
 
     def unregister(self, unreg: Unregistration) -> int:
-        with self._lock:
-            gone = [
-                reg
-                for key, reg in self._registrations.items()
-                if reg.instance_id == unreg.instance_id
-                and reg.tenant == unreg.tenant
-                and (unreg.dp_rank is None or reg.dp_rank == unreg.dp_rank)
-                and (unreg.model is None or reg.model == unreg.model)
-            ]
-            for reg in gone:
-                del self._registrations[reg.key]
-                self._detach(reg)
-            if gone:
-                self._views.clear()
+        with self._reg_lock:
+            with self._lock:
+                gone = [
+                    reg
+                    for key, reg in self._registrations.items()
+                    if reg.instance_id == unreg.instance_id
+                    and reg.tenant == unreg.tenant
+                    and (unreg.dp_rank is None or reg.dp_rank == unreg.dp_rank)
+                    and (unreg.model is None or reg.model == unreg.model)
+                ]
+                stops: list[tuple[KvAffinity, str]] = []
+                for reg in gone:
+                    del self._registrations[reg.key]
+                    stops += self._unbook(reg)
+                if gone:
+                    self._views.clear()
+            _run(stops, [])  # joins subscriber threads: outside _lock, so queries go on
         return len(gone)
 
     def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]:
@@ -333,10 +435,13 @@ class AdapterState:
             ]
 
     def scoring_config(self, block_size: int) -> KvAffinityConfig:
-        """The configured weights at ``block_size`` (cached: building one validates it)."""
+        """The configured weights at ``block_size`` (cached, bounded: building one validates it)."""
         cfg = self._configs.get(block_size)
         if cfg is None:
-            cfg = self._configs[block_size] = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+            cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+            if len(self._configs) >= _CONFIGS_MAX:  # block_size is network input: never grow forever
+                self._configs = {}
+            self._configs[block_size] = cfg
         return cfg
 
     def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None:
@@ -345,13 +450,14 @@ class AdapterState:
             return entry.affinity if entry else None
 
     def close(self) -> None:
-        with self._lock:
-            entries = list(self._indexes.values())
-            self._indexes.clear()
-            self._registrations.clear()
-            self._views.clear()
-        for entry in entries:
-            entry.affinity.close()
+        with self._reg_lock:
+            with self._lock:
+                entries = list(self._indexes.values())
+                self._indexes.clear()
+                self._registrations.clear()
+                self._views.clear()
+            for entry in entries:
+                entry.affinity.close()
 
     # ------------------------------------------------------------------ queries
 
@@ -452,7 +558,13 @@ class AdapterState:
         candidates: Sequence[Candidate],
         token_ids: Sequence[int],
     ) -> Any:
-        """Motor's decision; instances without a single hit block count as absent (cold -> load_balance)."""
+        """Motor's decision over what ``/query`` answers it.
+
+        When any registered instance holds a block of the prompt, every registered instance
+        is scored, zero hits included (the conductor lists them all, so Motor weighs an idle
+        cold instance against a loaded warm one). When none holds any, the decision is
+        load_balance with reason "no prefix hit on any candidate" (the report's cold request).
+        """
         cfg = self.scoring_config(block_size)
         hits: Hits | None = None
         if len(token_ids) >= block_size:
@@ -460,10 +572,9 @@ class AdapterState:
                 found, _, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
             except RequestError:
                 found = {}
-            hits = {
-                i: h for i, h in found.items() if any(x.npu_blocks + x.cpu_blocks + x.disk_blocks for x in h.values())
-            }
-        decision = select(cfg, candidates, hits or None, len(token_ids))
+            if any(x.npu_blocks + x.cpu_blocks + x.disk_blocks for h in found.values() for x in h.values()):
+                hits = found
+        decision = select(cfg, candidates, hits, len(token_ids))
         if decision.reason in ("no index data", "no index data for any candidate"):
             decision = dataclasses.replace(decision, reason="no prefix hit on any candidate")
         return decision
@@ -857,12 +968,23 @@ def _candidates(value: Any) -> list[Candidate]:
     for item in value:
         if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
             raise RequestError(400, "bad_field", f"each candidate needs a string instance_id, got {item!r}")
-        load = item.get("load", 0)
-        if isinstance(load, bool) or not isinstance(load, (int, float)) or load < 0:
-            raise RequestError(400, "bad_field", f"candidate load must be a number >= 0, got {load!r}")
+        load = _load(item.get("load", 0))
         endpoint = item.get("endpoint")
-        out.append(Candidate(item["instance_id"], float(load), endpoint if isinstance(endpoint, str) else None))
+        out.append(Candidate(item["instance_id"], load, endpoint if isinstance(endpoint, str) else None))
     return out
+
+
+def _load(value: Any) -> float:
+    """A candidate's load: a finite number >= 0 (a huge int overflows float, NaN/inf never rank)."""
+    load = math.nan
+    shown = type(value).__name__
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int beyond float range (its repr may fail too)
+            load = float(value)
+        shown = repr(load) if not math.isnan(load) or isinstance(value, float) else "an integer beyond float range"
+    if not (math.isfinite(load) and load >= 0):
+        raise RequestError(400, "bad_field", f"candidate load must be a finite number >= 0, got {shown}")
+    return load
 
 
 _UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
@@ -915,6 +1037,10 @@ def build_app(state: AdapterState) -> web.Application:
         except web.HTTPException as exc:  # 404/405 from routing
             metric.bad_requests.inc(path=path, reason=f"http_{exc.status}")
             response = _error(exc.status, exc.reason or "error", exc.text or "")
+        except Exception as exc:  # a bug, not the client's fault: answer JSON, count it, keep serving
+            metric.bad_requests.inc(path=path, reason="internal_error")
+            log.exception("%s %s failed", request.method, path)
+            response = _error(500, "internal_error", f"{type(exc).__name__} (see the adapter's log)")
         metric.requests.inc_labels(_request_labels(path, response.status))
         return response
 

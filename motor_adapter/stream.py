@@ -218,6 +218,10 @@ class StreamSubscriber:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def request_stop(self) -> None:
+        """Asks the thread to stop without waiting; :meth:`stop` then joins it."""
+        self._stop.set()
+
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         thread = self._thread
