@@ -20,35 +20,24 @@ from motor_adapter import affinity as affinity_module
 from motor_adapter import service
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.motor import MAX_COMPAT_DP
-from motor_adapter.scoring import ConfigError, KvAffinityConfig
+from motor_adapter.scoring import ConfigError
 from motor_adapter.service import MAX_STREAMS_ENV, AdapterState, ServiceConfig
 from tests.conftest import free_tcp_endpoint, free_tcp_port
-from tests.test_service import BS, MODEL, MotorClient, Publisher, Server, connect, http, prompt, wait_for
+from tests.test_service import (  # noqa: F401  (pytest fixtures shared with test_service)
+    BS,
+    MODEL,
+    MotorClient,
+    Publisher,
+    Server,
+    connect,
+    http,
+    make_server,
+    prompt,
+    wait_for,
+    zctx,
+)
 
 pytestmark = [pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def make_server() -> Iterator[Callable[..., Server]]:
-    servers: list[Server] = []
-
-    def make(**overrides: Any) -> Server:
-        values: dict[str, Any] = {"kv_affinity": KvAffinityConfig(block_size=BS), "max_body_bytes": 256 << 10}
-        values.update(overrides)
-        server = Server(ServiceConfig(**values))
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.close()
 
 
 class FakeSubscriber:
