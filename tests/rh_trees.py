@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections import defaultdict
 from typing import Any
@@ -32,8 +33,11 @@ class CpuAllocator:
         return 1 << 30
 
 
+@functools.cache
 def setup() -> Any:
-    """SGLang's tree-cache modules (through sglang_real), release hooks installed (direct wrap); a namespace."""
+    """SGLang's tree-cache modules (through sglang_real), release hooks installed (direct wrap); a namespace.
+
+    Cached: every test module of a process shares one setup."""
     sglang_real.load_radix_cache()  # the full strategy, and the page-hash implementation for this machine
 
     def load(name: str) -> Any:

@@ -23,14 +23,7 @@ from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-NS: Any = None
-
-
-def ns() -> Any:
-    global NS
-    if NS is None:
-        NS = rt.setup()
-    return NS
+ns = rt.setup  # cached: one real-SGLang setup per process
 
 
 def _silent_cascade(tree: Any, node: Any, hooked: bool = True) -> None:

@@ -33,15 +33,8 @@ from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-NS: Any = None
 PAGE = 4
-
-
-def ns() -> Any:
-    global NS
-    if NS is None:
-        NS = rt.setup()
-    return NS
+ns = rt.setup  # cached: one real-SGLang setup per process
 
 
 def _drain(result: Any) -> None:
@@ -106,7 +99,10 @@ class HostDriver:
         self.pending.clear()
 
     def device_leaves(self) -> list[Any]:
-        return sorted(self.core.evictable_device_leaves, key=lambda n: n.id)
+        # SGLang's evictable set can still list a node whose child this driver just loaded
+        # back (the real controller would not evict it in that window): ask the tree itself.
+        leaves = [n for n in self.core.evictable_device_leaves if self.core._is_device_leaf(n)]
+        return sorted(leaves, key=lambda n: n.id)
 
     def evict_device_leaf(self, node: Any) -> None:
         """Demote when backed up and acked, delete when unbacked (write-through policy)."""

@@ -144,16 +144,11 @@ def test_broken_callback_does_not_stop_the_sender(channel: str) -> None:
 
 # --------------------------------------------------------------------------- (b) real SGLang tree
 
-NS: Any = None
-
 
 def ns() -> Any:
-    global NS
-    if NS is None:
-        import rh_trees
+    import rh_trees  # the real SGLang tree code loads only for the tests that need it
 
-        NS = rh_trees.setup()
-    return NS
+    return rh_trees.setup()  # cached: one real-SGLang setup per process
 
 
 class TickClock:
