@@ -1,9 +1,12 @@
 """The internal channel between rank publishers (PUSH) and the instance fan-in (PULL).
 
-Frames: ``[MAGIC, header, payload]`` with ``header = dp_rank u32 | rank_epoch u64 |
-rank_seq u64`` (big-endian, 20 bytes) and ``payload`` an encoded, enriched batch.  An
-empty payload is a rank heartbeat: liveness only, never forwarded, but it takes a
-rank_seq so loss stays detectable.
+One single-frame message per rank batch: ``MAGIC | dp_rank u32 | rank_epoch u64 |
+rank_seq u64 | payload`` (big-endian 26-byte prefix) with ``payload`` an encoded,
+enriched batch.  An empty payload is a rank heartbeat: liveness only, never forwarded,
+but it takes a rank_seq so loss stays detectable.  One frame, not three: the fan-in
+reads it with one backend ``recv`` and no ``RCVMORE`` query (:mod:`sglang_kvpub.zmq_io`);
+a multipart message from a foreign peer is read frame by frame and each frame fails the
+magic check (counted as malformed).
 
 On one node the channel is ipc in a private directory (mode 0700, under
 ``$XDG_RUNTIME_DIR`` or the temp dir) whose socket name both sides derive from an
@@ -27,10 +30,13 @@ import zmq
 
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.wire import WireError
+from sglang_kvpub.zmq_io import NOBLOCK, send_frame
 
 __all__ = [
     "MAGIC",
     "ChannelFrame",
+    "channel_message",
+    "parse_channel_message",
     "ChannelPusher",
     "ChannelPuller",
     "channel_frames",
@@ -40,31 +46,36 @@ __all__ = [
     "private_dir",
 ]
 
-MAGIC = b"kvpub1"
-_HEADER = struct.Struct(">IQQ")
+MAGIC = b"kvpub2"  # kvpub1 was the three-frame form
+_PREFIX = struct.Struct(">6sIQQ")  # magic, dp_rank, rank_epoch, rank_seq
+PREFIX_BYTES = _PREFIX.size
 MAX_MESSAGE_BYTES = 64 << 20
-# Plain ints: pyzmq's enum flags cost microseconds per frame in ``flags | SNDMORE``.
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 ChannelFrame = tuple[int, int, int, bytes]  # (dp_rank, rank_epoch, rank_seq, payload)
 
 
+def channel_message(dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bytes:
+    return _PREFIX.pack(MAGIC, dp_rank, rank_epoch, rank_seq) + payload
+
+
+def parse_channel_message(message: bytes) -> ChannelFrame:
+    if len(message) < PREFIX_BYTES:
+        raise WireError("short channel message", f"{len(message)} bytes")
+    magic, dp_rank, rank_epoch, rank_seq = _PREFIX.unpack_from(message)
+    if magic != MAGIC:
+        raise WireError("bad channel magic", repr(magic))
+    return dp_rank, rank_epoch, rank_seq, message[PREFIX_BYTES:]
+
+
 def channel_frames(dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> list[bytes]:
-    return [MAGIC, _HEADER.pack(dp_rank, rank_epoch, rank_seq), payload]
+    """The message as a frame list (``send_multipart``; tests and tools)."""
+    return [channel_message(dp_rank, rank_epoch, rank_seq, payload)]
 
 
 def parse_channel_frames(frames: list[Any]) -> ChannelFrame:
-    if len(frames) != 3:
+    if len(frames) != 1:
         raise WireError("bad channel frame count", str(len(frames)))
-    magic, header, payload = frames
-    if type(magic) is not bytes or type(header) is not bytes or type(payload) is not bytes:  # zmq.Frame etc.
-        magic, header, payload = (bytes(f) for f in frames)
-    if magic != MAGIC:
-        raise WireError("bad channel magic", repr(magic[:16]))
-    if len(header) != _HEADER.size:
-        raise WireError("bad channel header", f"{len(header)} bytes")
-    dp_rank, rank_epoch, rank_seq = _HEADER.unpack(header)
-    return dp_rank, rank_epoch, rank_seq, payload
+    message = frames[0]
+    return parse_channel_message(message if type(message) is bytes else bytes(message))
 
 
 # --------------------------------------------------------------------------- endpoints
@@ -112,11 +123,8 @@ class ChannelPusher:
         self.dropped = 0
 
     def send(self, dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bool:
-        socket = self.socket
         try:
-            socket.send(MAGIC, _MORE_NOBLOCK)  # a PUSH takes the whole message once the first part is in
-            socket.send(_HEADER.pack(dp_rank, rank_epoch, rank_seq), _MORE_NOBLOCK)
-            socket.send(payload, _NOBLOCK)
+            send_frame(self.socket, _PREFIX.pack(MAGIC, dp_rank, rank_epoch, rank_seq) + payload, NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             return False

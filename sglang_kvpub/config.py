@@ -35,6 +35,7 @@ ENV_PREFIX = "SGLANG_KVPUB_"
 HashFormName = Literal["u64", "i64"]
 EncodingName = Literal["map", "array"]
 FullPolicy = Literal["drop_oldest", "drop_newest"]
+RankSendName = Literal["inline", "thread"]
 DispatchName = Literal["default", "cache_aware"]
 
 # Keys of SGLang's KVEventsConfig (0.5.23); only they are read from the JSON by SGLang itself.
@@ -56,6 +57,7 @@ PLUGIN_KEYS = (
     "internal_channel",
     "rank_queue_size",
     "full_policy",
+    "rank_send",
     "dp_dispatch",
     "curve_secret_key_file",
     "curve_public_key_file",
@@ -90,6 +92,7 @@ class PluginConfig:
     internal_channel: Union[str, None] = None
     rank_queue_size: int = 10_000
     full_policy: FullPolicy = "drop_oldest"
+    rank_send: RankSendName = "inline"
     dp_dispatch: DispatchName = "default"
     # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
     curve_secret_key_file: Union[str, None] = None
@@ -247,6 +250,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "internal_channel": _internal_channel,
     "rank_queue_size": _positive_int(1),
     "full_policy": _choice(get_args(FullPolicy)),
+    "rank_send": _choice(get_args(RankSendName)),
     "dp_dispatch": _choice(get_args(DispatchName)),
     "curve_secret_key_file": _optional_path,
     "curve_public_key_file": _optional_path,

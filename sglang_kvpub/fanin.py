@@ -65,7 +65,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from sglang_kvpub.channel import ChannelPuller, default_channel_endpoint, parse_channel_frames, resolve_channel_endpoint
+from sglang_kvpub.channel import (
+    ChannelPuller,
+    default_channel_endpoint,
+    parse_channel_message,
+    resolve_channel_endpoint,
+)
 from sglang_kvpub.config import PluginConfig, should_bind
 from sglang_kvpub.residency import RankResidency, raw_batch_decoder
 from sglang_kvpub.security import apply_server, server_keys_from_files, start_authenticator
@@ -84,6 +89,7 @@ from sglang_kvpub.wire import (
     replay_reply_frames,
     seq_epoch,
 )
+from sglang_kvpub.zmq_io import MORE_NOBLOCK, NOBLOCK, recv_frame, send_frame
 
 __all__ = ["FanIn", "RankState", "default_channel_endpoint"]
 
@@ -94,9 +100,6 @@ _MAX_JOBS = 64
 _JOB_STALL_S = 30.0  # a replay client that reads nothing for this long is dropped
 _SLICE_MESSAGES = 32
 _CHANNEL_BURST = 512
-# Plain ints: pyzmq's enum flags cost microseconds per frame in ``flags | SNDMORE``.
-_NOBLOCK = int(zmq.NOBLOCK)
-_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 
 
 @dataclasses.dataclass
@@ -399,9 +402,9 @@ class FanIn:
         pub = self._pub
         assert pub is not None
         try:
-            pub.send(self._topic, _MORE_NOBLOCK)
-            pub.send(encode_seq(seq), _MORE_NOBLOCK)
-            pub.send(payload, _NOBLOCK)
+            send_frame(pub, self._topic, MORE_NOBLOCK)  # a PUB takes the whole message once the first part is in
+            send_frame(pub, encode_seq(seq), MORE_NOBLOCK)
+            send_frame(pub, payload, NOBLOCK)
         except zmq.Again:
             self._counts["pub_dropped"] += 1
         return seq
@@ -427,8 +430,12 @@ class FanIn:
         while not self._stop.is_set():
             now = time.monotonic()
             # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
-            runnable = any(job.pending is None for job in self._jobs)
-            wait_s = 0.0 if runnable else min(max(0.0, next_beat - now), 0.01 if self._jobs else 0.1)
+            jobs = self._jobs
+            if jobs:
+                runnable = any(job.pending is None for job in jobs)
+                wait_s = 0.0 if runnable else min(max(0.0, next_beat - now), 0.01)
+            else:
+                wait_s = min(max(0.0, next_beat - now), 0.1)
             if poller.sockets:
                 ready = dict(poller.poll(int(wait_s * 1000)))
             else:
@@ -457,14 +464,15 @@ class FanIn:
                 return
             for _ in range(_CHANNEL_BURST):
                 try:
-                    frames = socket.recv_multipart(flags=zmq.NOBLOCK)
+                    message = recv_frame(socket, NOBLOCK)
                 except zmq.Again:
                     break
                 try:
-                    dp_rank, rank_epoch, rank_seq, payload = parse_channel_frames(frames)
+                    dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
                 except WireError as exc:
                     self._counts["malformed"] += 1
                     self._log_malformed("kvpub fan-in: malformed internal frame: %s", exc)
+                    _discard_rest(socket)  # a foreign multipart message counts once
                     continue
                 self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
             self._apply_pending()
@@ -620,6 +628,14 @@ class FanIn:
                 "ranks": ranks,
                 **{key: self._counts[key] for key in _COUNTERS},
             }
+
+
+def _discard_rest(socket: zmq.Socket[bytes]) -> None:
+    """The remaining frames of a multipart message (asked only after a bad frame: our
+    channel messages are single frames, so the hot path never queries ``RCVMORE``)."""
+    with contextlib.suppress(zmq.ZMQError):
+        while socket.getsockopt(zmq.RCVMORE):
+            socket.recv(zmq.NOBLOCK)
 
 
 _COUNTERS = (

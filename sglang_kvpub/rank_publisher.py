@@ -1,18 +1,28 @@
 """The per-rank publisher: takes SGLang's batches and hands them to the fan-in.
 
 One per scheduler rank process, a drop-in for SGLang's publisher interface
-(``publish(batch)``, ``shutdown()``).  ``publish`` never blocks and does no I/O: it
-stamps the batch with the next rank sequence number, appends it to the rank's bounded
-queue (a deque under a lock; well under a microsecond) and wakes the sender only if it
-sleeps (one C-level ``SimpleQueue`` token, no Python condition variable).
+(``publish(batch)``, ``shutdown()``).  ``publish`` never blocks on I/O.
+
+With ``rank_send = "inline"`` (default) and nothing queued, ``publish`` itself stamps the
+batch with the next rank sequence number, enriches (dp_rank, medium, block_size, hash
+form), encodes and PUSHes it with ``NOBLOCK`` - a copy into ZMQ's pipe, about 10 us for
+a scheduler step's batch.  No thread hand-off: a sender thread would have to win the GIL
+from the scheduler's Python loop (up to the 5 ms switch interval) and costs a thread
+wake-up per batch.  A batch of more than ``INLINE_MAX_EVENTS`` events (a reconciliation
+or resync slice) is queued for the sender thread instead, as is every batch while the
+sender thread works through a backlog, and every batch with ``rank_send = "thread"``:
+then ``publish`` only appends to the rank's bounded queue (a deque under a lock; well
+under a microsecond) and wakes the sender if it sleeps (one C-level ``SimpleQueue``
+token).  A ``_sending`` flag, set under the lock, gives the socket to one thread at a
+time, and sequence numbers are sent in order: a publish never overtakes queued batches.
 
 ONE daemon sender thread per process serves every RankPublisher of that process (SGLang
-runs one rank per process; tests and benches host several): per wake-up it drains all
+runs one rank per process; tests and benches host several): per wake-up it drains the
 queues, converts foreign batches (SGLang's own ``KVEventBatch`` structs) to
-:class:`wire.EventBatch`, enriches (dp_rank, medium, block_size, hash form), encodes and
-PUSHes with ``NOBLOCK`` on the rank's own channel socket.  One thread instead of one per
-rank avoids GIL hand-offs between sender threads; a publish while the sender is busy
-costs no wake-up at all.
+:class:`wire.EventBatch`, enriches, encodes and PUSHes.  It also sends rank heartbeats,
+watches the fan-in connection and closes sockets.  One thread instead of one per rank
+avoids GIL hand-offs between sender threads; a publish while the sender is busy costs no
+wake-up at all.
 
 When a queue is full the configured ``full_policy`` applies: ``drop_oldest`` (default:
 the newest events describe the current cache best) or ``drop_newest``.  Either way the
@@ -53,7 +63,7 @@ from sglang_kvpub.channel import ChannelPusher
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, enrich_batch
 
-__all__ = ["RankPublisher", "take_resync_request"]
+__all__ = ["INLINE_MAX_EVENTS", "RankPublisher", "take_resync_request"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +71,9 @@ _Item = tuple[int, Any]  # (rank_seq, batch)
 # A completed ZMTP handshake: the peer is a live ZMQ socket (libzmq >= 4.3), else a TCP/ipc connect.
 _PEER_EVENT = int(getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED))
 _WATCH_S = 1.0  # an idle sender reads the monitor at least this often
+# Bigger batches (a reconciliation or resync slice's corrections) go to the sender thread,
+# so a step never encodes more than a step's worth of events inline.
+INLINE_MAX_EVENTS = 64
 
 
 # --------------------------------------------------------------------------- resync requests
@@ -162,6 +175,10 @@ class RankPublisher:
         self._published = 0
         self._queue_dropped = 0
         self._encode_errors = 0
+        self._send_inline = config.rank_send == "inline"
+        self._sending = False  # a thread owns the socket for a send outside the lock
+        self._sent_inline = 0
+        self._send_errors = 0
         self._resync_requested = False
         self._resyncs = 0
         self._on_resync = on_resync
@@ -186,7 +203,8 @@ class RankPublisher:
     # ------------------------------------------------------------------ caller side
 
     def publish(self, batch: Any) -> None:
-        """Queue one batch; never blocks (see module doc for the full-queue policy)."""
+        """Send (inline mode, no backlog) or queue one batch; never blocks on I/O (see the
+        module doc for the full-queue policy)."""
         sender = self._sender
         with self._lock:
             if self._stopping:
@@ -195,16 +213,48 @@ class RankPublisher:
             self._next_seq = seq + 1
             self._published += 1
             queue = self._queue
-            wake, sender.idle = sender.idle, False
-            if len(queue) >= self._limit:
-                self._queue_dropped += 1
-                if self._drop_oldest:
-                    queue.popleft()
-                    queue.append((seq, batch))
+            inline = (
+                self._send_inline
+                and not queue
+                and not self._sending
+                and len(getattr(batch, "events", ())) <= INLINE_MAX_EVENTS
+            )
+            if inline:
+                self._sending = True
             else:
-                queue.append((seq, batch))
-        if wake:
+                wake, sender.idle = sender.idle, False
+                if len(queue) >= self._limit:
+                    self._queue_dropped += 1
+                    if self._drop_oldest:
+                        queue.popleft()
+                        queue.append((seq, batch))
+                else:
+                    queue.append((seq, batch))
+        if inline:
+            self._send_now(seq, batch)
+        elif wake:
             sender.wake.put(None)
+
+    def _send_now(self, seq: int, batch: Any) -> None:
+        """In the caller's thread, which owns the socket (``_sending``) until the end."""
+        sender = self._sender
+        wake = False
+        try:
+            payload = self._payload(batch)
+            if payload is not None and self._pusher.send(self.dp_rank, self.rank_epoch, seq, payload):
+                self._sent_inline += 1
+        except Exception:  # never into the scheduler: the seq stays unused, a gap at the fan-in
+            self._send_errors += 1
+            log.exception("kvpub rank %d: inline send failed; batch dropped", self.dp_rank)
+        finally:
+            with self._lock:
+                self._sending = False
+                self._next_beat = time.monotonic() + self.config.heartbeat_s
+                # Batches queued meanwhile (another thread), or a shutdown: the sender's turn.
+                if (self._queue or self._stopping) and sender.idle:
+                    wake, sender.idle = True, False
+            if wake:
+                sender.wake.put(None)
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
         """Flush what is queued (bounded by ``timeout_s``), then close the socket."""
@@ -244,11 +294,13 @@ class RankPublisher:
     def stats(self) -> dict[str, int]:
         return {
             "published": self._published,
-            "dropped": self._queue_dropped + self._pusher.dropped + self._encode_errors,
+            "dropped": self._queue_dropped + self._pusher.dropped + self._encode_errors + self._send_errors,
             "queue_dropped": self._queue_dropped,
             "send_dropped": self._pusher.dropped,
             "encode_errors": self._encode_errors,
             "sent": self._pusher.sent,
+            "sent_inline": self._sent_inline,
+            "send_errors": self._send_errors,
             "queue_depth": len(self._queue),
             "rank_seq": self._next_seq - 1,
             "rank_epoch": self.rank_epoch,
@@ -264,16 +316,24 @@ class RankPublisher:
         queue = self._queue
         if not queue:
             return
-        pusher, rank, epoch = self._pusher, self.dp_rank, self.rank_epoch
-        for _ in range(len(queue)):
-            try:
-                seq, batch = queue.popleft()
-            except IndexError:  # dropped by drop_oldest meanwhile
-                break
-            payload = self._payload(batch)
-            if payload is not None:
-                pusher.send(rank, epoch, seq, payload)
-        self._next_beat = now + self.config.heartbeat_s
+        with self._lock:
+            if self._sending:  # a publish() is sending inline; it wakes us when done
+                return
+            self._sending = True
+        try:
+            pusher, rank, epoch = self._pusher, self.dp_rank, self.rank_epoch
+            for _ in range(len(queue)):
+                try:
+                    seq, batch = queue.popleft()
+                except IndexError:  # dropped by drop_oldest meanwhile
+                    break
+                payload = self._payload(batch)
+                if payload is not None:
+                    pusher.send(rank, epoch, seq, payload)
+        finally:
+            with self._lock:
+                self._sending = False
+                self._next_beat = now + self.config.heartbeat_s
 
     def _watch(self) -> None:
         """Sender thread, outside the lock (``on_resync`` may publish): fan-in reconnections."""
@@ -397,8 +457,10 @@ class _Sender:
         deadline = now + _WATCH_S
         busy = False
         for publisher in list(self._publishers):
-            if publisher._queue:
+            if publisher._queue and not publisher._sending:
                 busy = True
+            elif publisher._sending:
+                continue  # an inline send owns the socket; it wakes us if anything is left
             elif publisher._stopping:
                 self._publishers.remove(publisher)
                 publisher._close()

@@ -17,6 +17,7 @@ def test_defaults_match_sglang() -> None:
     assert (config.buffer_steps, config.hwm, config.max_queue_size, config.topic) == (10_000, 100_000, 100_000, "")
     assert config.replay_endpoint is None and config.bind is None and config.binds
     assert config.hash_form == "u64" and config.event_encoding == "map" and config.full_policy == "drop_oldest"
+    assert config.rank_send == "inline"
 
 
 def test_sglang_keys_and_plugin_keys_from_json_and_env() -> None:
@@ -30,11 +31,16 @@ def test_sglang_keys_and_plugin_keys_from_json_and_env() -> None:
             "hash_form": "i64",
         }
     )
-    env = {"SGLANG_KVPUB_HASH_FORM": "u64", "SGLANG_KVPUB_HEARTBEAT_S": "0.5", "SGLANG_KVPUB_RANK_QUEUE_SIZE": "7"}
+    env = {
+        "SGLANG_KVPUB_HASH_FORM": "u64",
+        "SGLANG_KVPUB_HEARTBEAT_S": "0.5",
+        "SGLANG_KVPUB_RANK_QUEUE_SIZE": "7",
+        "SGLANG_KVPUB_RANK_SEND": "thread",
+    }
     config = PluginConfig.from_kv_events_json(text, env=env)
     assert config.replay_endpoint == "tcp://*:6667" and config.topic == "kv" and config.buffer_steps == 500
     assert config.hash_form == "i64"  # the JSON wins over env
-    assert config.heartbeat_s == 0.5 and config.rank_queue_size == 7
+    assert config.heartbeat_s == 0.5 and config.rank_queue_size == 7 and config.rank_send == "thread"
 
 
 def test_from_mapping_ignores_factory_extras() -> None:
@@ -53,6 +59,7 @@ def test_from_mapping_ignores_factory_extras() -> None:
         ('{"bind": "yes"}', {}, "true, false or null"),
         ('{"internal_channel": "tcp://*:5600"}', {}, "fan-in host"),
         ('{"full_policy": "block"}', {}, "drop_oldest"),
+        ('{"rank_send": "async"}', {}, "'inline', 'thread'"),
         ('{"dp_dispatch": "magic"}', {}, "cache_aware"),
         ("[1]", {}, "JSON object"),
         ("{nope", {}, "not valid JSON"),

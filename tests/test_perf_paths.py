@@ -11,10 +11,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,19 +105,32 @@ def test_tokens_look_valid_rejects_a_non_array() -> None:
     assert isinstance(raw_batch_decoder().decode(payload), RawBatch)
 
 
-class _FakePub:
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
+class _Published:
+    """The fan-in's PUB replaced by an inproc PAIR (no subscription to wait for): the hot
+    path sends real frames; ``frames`` reads everything sent so far."""
 
-    def send(self, frame: bytes, flags: int = 0) -> None:
-        self.frames.append(bytes(frame))
+    def __init__(self, ctx: zmq.Context[Any], name: str) -> None:
+        self.socket = ctx.socket(zmq.PAIR)
+        self.socket.bind(f"inproc://{name}")
+        self.reader = ctx.socket(zmq.PAIR)
+        self.reader.connect(f"inproc://{name}")
+        self._frames: list[bytes] = []
+
+    @property
+    def frames(self) -> list[bytes]:
+        while self.reader.poll(0):
+            self._frames.extend(self.reader.recv_multipart())
+        return self._frames
 
 
-def _fanin() -> tuple[FanIn, _FakePub]:
-    fanin = FanIn(PluginConfig(endpoint="tcp://127.0.0.1:1", bind=True), 2, listen_channel=False)
-    pub = _FakePub()
-    fanin._pub = pub  # type: ignore[assignment]  # no sockets: the hot path only
-    return fanin, pub
+@pytest.fixture
+def fanin_and_pub() -> Iterator[tuple[FanIn, _Published]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    fanin = FanIn(PluginConfig(endpoint="tcp://127.0.0.1:1", bind=True), 2, listen_channel=False, context=ctx)
+    published = _Published(ctx, f"fanin-hot-path-{id(fanin)}")
+    fanin._pub = published.socket  # no bound endpoints: the hot path only
+    yield fanin, published
+    ctx.destroy(linger=0)
 
 
 def _payload(events: list[wire.Event], dp_rank: int | None) -> bytes:
@@ -128,8 +143,10 @@ def _stored(block_hash: int, parent: int | None = None) -> wire.BlockStored:
     return wire.BlockStored(block_hashes=[block_hash], parent_block_hash=parent, token_ids=[1, 2, 3, 4], block_size=BS)
 
 
-def test_fanin_forwards_tagged_payloads_as_is_and_queues_residency() -> None:
-    fanin, pub = _fanin()
+def test_fanin_forwards_tagged_payloads_as_is_and_queues_residency(
+    fanin_and_pub: tuple[FanIn, _Published],
+) -> None:
+    fanin, pub = fanin_and_pub
     first = _payload([_stored(10)], 0)
     fanin._forward(0, 7, 0, first, 1.0, 1.0)
     fanin._forward(0, 7, 1, _payload([_stored(11, 10)], 0), 1.0, 1.0)
@@ -140,16 +157,16 @@ def test_fanin_forwards_tagged_payloads_as_is_and_queues_residency() -> None:
     assert fanin._residency[0].tokens(11) == [1, 2, 3, 4]
 
 
-def test_fanin_restart_applies_the_old_epoch_before_clearing() -> None:
-    fanin, _ = _fanin()
+def test_fanin_restart_applies_the_old_epoch_before_clearing(fanin_and_pub: tuple[FanIn, _Published]) -> None:
+    fanin, _ = fanin_and_pub
     fanin._forward(1, 7, 0, _payload([_stored(10)], 1), 1.0, 1.0)
     fanin._forward(1, 8, 0, _payload([_stored(20)], 1), 1.0, 1.0)  # new rank epoch
     fanin._apply_pending()
     assert fanin._residency[1].hashes() == [20]
 
 
-def test_fanin_untagged_and_malformed_payloads_take_the_full_path() -> None:
-    fanin, pub = _fanin()
+def test_fanin_untagged_and_malformed_payloads_take_the_full_path(fanin_and_pub: tuple[FanIn, _Published]) -> None:
+    fanin, pub = fanin_and_pub
     fanin._forward(1, 7, 0, _payload([_stored(10)], None), 1.0, 1.0)
     retagged = msgspec.msgpack.decode(pub.frames[-1], type=wire.EventBatch)
     assert retagged.dp_rank == 1

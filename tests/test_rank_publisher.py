@@ -15,7 +15,7 @@ from conftest import free_tcp_endpoint
 from sglang_kvpub import wire
 from sglang_kvpub.channel import parse_channel_frames
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.rank_publisher import RankPublisher
+from sglang_kvpub.rank_publisher import INLINE_MAX_EVENTS, RankPublisher
 
 pytestmark = pytest.mark.integration
 
@@ -127,7 +127,8 @@ def test_full_queue_policy_counts_drops(
     policy: str, kept: list[int], pull: tuple[str, zmq.Socket[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     endpoint, sock = pull
-    publisher = RankPublisher(PluginConfig(rank_queue_size=3, full_policy=policy, heartbeat_s=60), 0, 4, endpoint)  # type: ignore[arg-type]
+    config = PluginConfig(rank_queue_size=3, full_policy=policy, heartbeat_s=60, rank_send="thread")  # type: ignore[arg-type]
+    publisher = RankPublisher(config, 0, 4, endpoint)
     gate = threading.Event()
     entered = threading.Event()
     original = publisher._payload
@@ -153,9 +154,81 @@ def test_full_queue_policy_counts_drops(
 
 
 @pytest.mark.timeout(30)
-def test_publish_never_blocks_without_a_fanin() -> None:
+def test_inline_send_happens_in_the_callers_thread(pull: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, sock = pull
+    publisher = RankPublisher(PluginConfig(heartbeat_s=60), 3, 4, endpoint)
+    threads: list[str] = []
+    original = publisher._payload
+
+    def spy(batch: Any) -> bytes | None:
+        threads.append(threading.current_thread().name)
+        return original(batch)
+
+    publisher._payload = spy  # type: ignore[method-assign]
+    try:
+        publisher.publish(wire.EventBatch(ts=1.0, events=[wire.AllBlocksCleared()]))
+        assert publisher.stats["sent_inline"] == 1  # sent before publish() returned
+        assert threads == [threading.current_thread().name]
+        assert recv(sock)[:3:2] == (3, 0)
+    finally:
+        publisher.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_big_batches_go_to_the_sender_thread_in_order(pull: tuple[str, zmq.Socket[bytes]]) -> None:
+    endpoint, sock = pull
+    publisher = RankPublisher(PluginConfig(heartbeat_s=60), 0, 4, endpoint)
+    try:
+        big: list[wire.Event] = [wire.BlockRemoved(block_hashes=[i]) for i in range(INLINE_MAX_EVENTS + 1)]
+        publisher.publish(wire.EventBatch(ts=1.0, events=big))
+        publisher.publish(wire.EventBatch(ts=2.0, events=[wire.AllBlocksCleared()]))
+        received = [recv(sock) for _ in range(2)]
+        assert [frame[2] for frame in received] == [0, 1]
+        assert len(wire.BatchDecoder().decode(received[0][3]).events) == INLINE_MAX_EVENTS + 1
+        assert publisher.stats["sent"] == 2 and publisher.stats["sent_inline"] <= 1
+    finally:
+        publisher.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_inline_publish_never_overtakes_a_send_in_progress(pull: tuple[str, zmq.Socket[bytes]]) -> None:
+    """While one thread's inline send is stalled, other publishes queue behind it: the
+    rank's sequence reaches the channel in order, nothing lost, nothing blocked."""
+    endpoint, sock = pull
+    publisher = RankPublisher(PluginConfig(heartbeat_s=60), 0, 4, endpoint)
+    gate, entered = threading.Event(), threading.Event()
+    original = publisher._payload
+
+    def stalled(batch: Any) -> bytes | None:
+        if batch.ts == 0.0:
+            entered.set()
+            gate.wait(10.0)
+        return original(batch)
+
+    publisher._payload = stalled  # type: ignore[method-assign]
+    first = threading.Thread(target=publisher.publish, args=(wire.EventBatch(ts=0.0, events=[]),))
+    try:
+        first.start()
+        assert entered.wait(10.0)
+        for index in range(1, 6):
+            publisher.publish(wire.EventBatch(ts=float(index), events=[]))  # queued: the socket is taken
+        assert publisher.stats["queue_depth"] == 5
+        gate.set()
+        first.join(10.0)
+        assert [recv(sock)[2] for _ in range(6)] == [0, 1, 2, 3, 4, 5]
+        assert publisher.stats["sent_inline"] == 1 and publisher.stats["dropped"] == 0
+    finally:
+        gate.set()
+        first.join(10.0)
+        publisher.shutdown()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("rank_send", ["inline", "thread"])
+def test_publish_never_blocks_without_a_fanin(rank_send: str) -> None:
     endpoint = free_tcp_endpoint()  # nobody listens
-    publisher = RankPublisher(PluginConfig(hwm=10, rank_queue_size=100, heartbeat_s=60), 0, 2, endpoint)
+    config = PluginConfig(hwm=10, rank_queue_size=100, heartbeat_s=60, rank_send=rank_send)  # type: ignore[arg-type]
+    publisher = RankPublisher(config, 0, 2, endpoint)
     try:
         event = wire.BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2)
         for _ in range(2000):
