@@ -213,8 +213,11 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    import psutil
-
+    """User + system CPU seconds per process ({} without psutil: the shares are omitted)."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
     out = {}
     for name, pid in pids.items():
         times = psutil.Process(pid).cpu_times()
@@ -252,7 +255,7 @@ def _run_phase(
         stop.set()
         arrivals.update(out.get(timeout=120))
         proc.join(30)
-    shares = {name: round((cpu1[name] - cpu0[name]) / (t1 - t0), 3) for name in pids}
+    shares = {name: round((cpu1[name] - cpu0[name]) / (t1 - t0), 3) for name in cpu1}
     return arrivals, shares, costs
 
 
@@ -265,12 +268,13 @@ def main() -> int:
     parser.add_argument(
         "--producer-nice", type=int, default=10, help="niceness of the producers' generating threads (0: none)"
     )
+    parser.add_argument("--rank-send", choices=("inline", "thread"), default="inline", help="PluginConfig.rank_send")
     args = parser.parse_args()
 
     spawn = mp.get_context("spawn")
     direct_base = free_port_block(args.ranks)
     instance = f"tcp://127.0.0.1:{free_port_block(1)}"
-    config = PluginConfig(endpoint=instance, bind=True, heartbeat_s=1.0)
+    config = PluginConfig(endpoint=instance, bind=True, heartbeat_s=1.0, rank_send=args.rank_send)
     channel = resolve_channel_endpoint(config)  # the default: ipc in the private directory
     stop_fanin, fanin_ready, fanin_out = spawn.Event(), spawn.Event(), spawn.Queue()
     fanin = spawn.Process(target=fanin_proc, args=(config, args.ranks, channel, fanin_ready, stop_fanin, fanin_out))
@@ -352,6 +356,7 @@ def main() -> int:
         if throughput["instance"] and throughput["direct"]
         else None,
         "channel": channel.split(":", 1)[0],
+        "rank_send": args.rank_send,
         "producer_nice": args.producer_nice,
         "fanin_gaps": sum(r["gaps"] for r in fanin_stats["ranks"].values()),
     }

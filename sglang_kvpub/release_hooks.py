@@ -15,6 +15,10 @@ installed through SGLang's ``HookRegistry`` (no SGLang edit), close the gap gene
   published in order with SGLang's events.
 - *Dedupe*: if SGLang later records a removal the plugin already emitted, those hashes
   are stripped from SGLang's event while it is still queued: never twice.
+- *Armed* trees only (:func:`tree_armed`): a unified core with the Full component alone
+  cannot free Full KV without SGLang's event inside its operations (only SWA/Mamba
+  cascades do), so there the outer operations only count depth; touches outside any
+  operation are settled on every tree, and the idle drift check covers the rest.
 
 Nothing here imports SGLang at module level; event classes come from the recorder's
 module when first needed.
@@ -23,6 +27,7 @@ module when first needed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import sys
 import threading
@@ -40,6 +45,7 @@ __all__ = [
     "hook_targets",
     "tracker_of",
     "tree_of",
+    "tree_armed",
     "node_resident",
     "node_attached",
     "node_block_hashes",
@@ -91,9 +97,8 @@ _COMPONENT_OUTER = {
 _RESET = {LEGACY_TREE_CLASS: ("reset",), UNIFIED_CORE_CLASS: ("reset",)}
 
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
-# Caches for absorbing events: event type -> its name, SGLang medium value -> wire string.
+# Cache for absorbing events: event type -> its name.
 _KINDS: dict[type, str] = {}
-_MEDIUM_NAMES: dict[Any, str] = {None: MEDIUM_GPU}
 
 
 def medium_of(value: Any) -> str:
@@ -108,12 +113,14 @@ class Tracker:
 
     __slots__ = (
         "announced",
+        "armed",
         "corrections",
+        "cpu",
         "depth",
-        "entry_count",
-        "entry_tokens",
         "epoch",
+        "gpu",
         "lock",
+        "media",
         "pending",
         "plugin_removed",
         "pos_hash",
@@ -128,8 +135,13 @@ class Tracker:
         # was last stored or seen resident (reconcile.py); a dict so marking is a value
         # update, never a resize or a new container.
         self.announced: dict[str, dict[int, int]] = {MEDIUM_GPU: {}, MEDIUM_CPU: {}}
+        # The two media's dicts, for the hot path (never replaced: cleared in place).
+        self.gpu = self.announced[MEDIUM_GPU]
+        self.cpu = self.announced[MEDIUM_CPU]
         # Hashes the plugin removed that SGLang may still remove itself (dedupe).
         self.plugin_removed: dict[str, set[int]] = {MEDIUM_GPU: set(), MEDIUM_CPU: set()}
+        # SGLang's medium value (enum, string or None) -> (announced, plugin_removed) of it.
+        self.media: dict[Any, tuple[dict[int, int], set[int]]] = {}
         self.queue_ref: list[Any] | None = None
         self.seen = 0
         self.pos_hash = 0
@@ -140,10 +152,9 @@ class Tracker:
         # reconcile_* (reconcile.py).
         self.corrections: collections.Counter[str] = collections.Counter()
         self.epoch = 0
-        # Announced GPU blocks and SGLang's device tokens when the outermost hooked tree
-        # operation began (entry_tokens None: not countable).
-        self.entry_count = 0
-        self.entry_tokens: int | None = None
+        # Whether the tree's operations can free Full KV without SGLang's event (None: not
+        # yet known; see :func:`tree_armed`).
+        self.armed: bool | None = None
         # Hashes ever removed from ``announced`` (reconcile.py resumes its scan with it).
         self.removals = 0
         self.lock = threading.RLock()
@@ -196,22 +207,23 @@ class Tracker:
                 blocks.clear()
             return False
         hashes = getattr(event, "block_hashes", None)
-        if hashes is None or start >= len(hashes):
+        if hashes is None:
             return False
+        if start:
+            if start >= len(hashes):
+                return False
+            fresh = hashes[start:]
+        else:
+            fresh = hashes
         raw = getattr(event, "medium", None)
         try:
-            medium = _MEDIUM_NAMES[raw]
-        except KeyError:
-            medium = _MEDIUM_NAMES[raw] = medium_of(raw)
-        except TypeError:  # unhashable
-            medium = medium_of(raw)
-        fresh = hashes[start:] if start else hashes
-        announced = self.announced.get(medium)
-        if announced is None:
-            announced = self.announced[medium] = {}
-        removed = self.plugin_removed.get(medium)
+            announced, removed = self.media[raw]
+        except (KeyError, TypeError):  # a medium not seen yet, or unhashable
+            announced, removed = self._medium_state(raw)
         if kind == "BlockStored":
-            announced.update(dict.fromkeys(fresh, self.epoch))
+            epoch = self.epoch
+            for block_hash in fresh:  # a plain loop: cheaper than a temporary dict for a few pages
+                announced[block_hash] = epoch
             if removed:
                 removed.difference_update(fresh)
             return False
@@ -225,16 +237,24 @@ class Tracker:
             fresh = hashes[start:]
             if not hashes:
                 return True
-        # Announced entries removed = the dict's shrink (a hash listed twice pops once).
-        before = len(announced)
-        pop = announced.pop
+        unknown = 0  # not announced (a hash listed twice is removed once)
         for block_hash in fresh:
-            pop(block_hash, None)
-        gone = before - len(announced)
-        self.removals += gone
-        if gone != len(fresh):
-            self.corrections["unknown_removal"] += len(fresh) - gone
+            try:
+                del announced[block_hash]
+            except KeyError:
+                unknown += 1
+        self.removals += len(fresh) - unknown
+        if unknown:
+            self.corrections["unknown_removal"] += unknown
         return False
+
+    def _medium_state(self, raw: Any) -> tuple[dict[int, int], set[int]]:
+        """(announced marks, plugin-removed hashes) of an SGLang medium value, cached by it."""
+        medium = medium_of(raw)
+        state = (self.announced.setdefault(medium, {}), self.plugin_removed.setdefault(medium, set()))
+        with contextlib.suppress(TypeError):  # unhashable: not cached
+            self.media[raw] = state
+        return state
 
     def skip_to_end(self, queue: list[Any]) -> None:
         """Mark everything queued as absorbed (after the plugin enqueued its own event)."""
@@ -420,22 +440,26 @@ def node_end_hashes(recorder: Any, node: Any) -> tuple[int, int] | tuple[()]:
 # --------------------------------------------------------------------------- hooks
 #
 # Hot path: every hooked call pays the hook's frame, so the hooks below do the least
-# possible per call: the tracker is an instance attribute of the recorder, the device
-# counters are read through a per-class function (no missing-attribute lookups), the
-# queue is absorbed only when it changed, and nested outer operations only count depth.
+# possible per call: the tracker is an instance attribute of the recorder (read with
+# plain attribute access; the AttributeError path sets it up once), the device counters
+# are read inline per tree class, the queue is absorbed only when it changed, nested
+# outer operations only count depth, and the end-of-operation check is inline.
 
 
 def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, node, *args, **kwargs)
-    recorder = getattr(self, "kv_events", None)
-    if recorder is not None and recorder.enabled:
-        try:
-            tracker = recorder._kvpub_tracker
-        except AttributeError:
-            tracker = tracker_of(recorder)
-        tracker.tree = self
+    try:
+        recorder = self.kv_events
+        tracker = recorder._kvpub_tracker
+    except AttributeError:
+        recorder = getattr(self, "kv_events", None)
+        if recorder is None:
+            return result
+        tracker = tracker_of(recorder)
+    if recorder.enabled:
         tracker.pending.append(node)
-        if tracker.depth == 0:
+        if not tracker.depth:
+            tracker.tree = self
             settle(self)
     return result
 
@@ -449,44 +473,90 @@ def _legacy_tokens(tree: Any) -> int:
     return tree.evictable_size_ + tree.protected_size_
 
 
-def _make_outer_hook(tokens: Callable[[Any], int], component: bool = False) -> Callable[..., Any]:
+_COUNT_ERRORS = (AttributeError, KeyError, TypeError, ZeroDivisionError)
+
+
+def _make_outer_hook(unified: bool, component: bool = False) -> Callable[..., Any]:
     """AROUND hook for a public tree operation; settles when the outermost one returns.
 
-    Entry (outermost only): the announced GPU count (queue absorbed) and SGLang's device
-    token counter.  Exit with touched nodes: if announced minus device pages did not
-    move, SGLang announced every device release itself (see :func:`_settle_or_drop`).
-    ``component``: the method belongs to a tree component; its ``tree_core`` is the tree.
+    Entry (outermost only): the queue is absorbed (only if it changed) and the *balance*
+    announced GPU blocks minus SGLang's device pages is noted.  Exit with touched nodes:
+    if the balance did not move, SGLang announced every device release itself (see
+    :func:`_end_operation`).  ``unified``: the tree is a ``UnifiedTreeCore`` (Full
+    counters per component) rather than a legacy ``RadixCache``.  ``component``: the
+    method belongs to a tree component; its ``tree_core`` is the tree.
     """
 
     def outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        tree = getattr(self, "tree_core", None) if component else self
-        recorder = getattr(tree, "kv_events", None)
-        if recorder is None or not recorder.enabled:
-            return original(self, *args, **kwargs)
+        tree: Any = getattr(self, "tree_core", None) if component else self
         try:
+            recorder = tree.kv_events
             tracker = recorder._kvpub_tracker
         except AttributeError:
+            recorder = getattr(tree, "kv_events", None)
+            if recorder is None:
+                return original(self, *args, **kwargs)
             tracker = tracker_of(recorder)
+        if not recorder.enabled:
+            return original(self, *args, **kwargs)
         depth = tracker.depth
-        if depth == 0:
-            tracker.absorb(recorder._queue)
+        if depth:  # nested: the outermost operation settles
+            tracker.depth = depth + 1
             try:
-                tracker.entry_tokens = tokens(tree)
-                tracker.entry_count = len(tracker.announced[MEDIUM_GPU])
-            except (AttributeError, KeyError, TypeError):
-                tracker.entry_tokens = None
-        tracker.depth = depth + 1
+                return original(self, *args, **kwargs)
+            finally:
+                tracker.depth = depth
+        armed = tracker.armed
+        if armed is None:
+            armed = tracker.armed = tree_armed(tree)
+        if not armed:
+            # Full-only tree: every Full release of the operation is SGLang's own event
+            # (tree_armed); anything else would show as drift and be reconciled.
+            tracker.depth = 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                tracker.depth = 0
+                if tracker.pending:
+                    tracker.pending.clear()
+        tracker.absorb(recorder._queue)
+        try:
+            if unified:
+                tokens = tree.component_evictable_size_[0] + tree.component_protected_size_[0]
+            else:
+                tokens = tree.evictable_size_ + tree.protected_size_
+            balance: int | None = len(tracker.gpu) - tokens // tree.page_size
+        except _COUNT_ERRORS:
+            balance = None
+        tracker.depth = 1
         try:
             return original(self, *args, **kwargs)
         finally:
-            tracker.depth = depth
-            if depth == 0 and tracker.pending:
-                _settle_or_drop(tree, recorder, tracker, tokens)
+            tracker.depth = 0
+            if tracker.pending:
+                _end_operation(tree, recorder, tracker, balance, unified)
 
     return outer_hook
 
 
-def _settle_or_drop(tree: Any, recorder: Any, tracker: Tracker, tokens: Callable[[Any], int]) -> None:
+def tree_armed(tree: Any) -> bool:
+    """Whether ``tree``'s operations may free Full KV without SGLang's own event.
+
+    In SGLang 0.5.23 only a non-Full component (SWA, Mamba, ...) cascading into the Full
+    layer does (docs/hbm-release.md).  A unified core with the Full component alone
+    records every Full release itself, so its operations are not checked.  The legacy
+    tree (and anything unknown) stays checked.
+    """
+    types = getattr(tree, "component_types", None)
+    if types is None:
+        return True
+    try:
+        return any(int(component) != 0 for component in types)  # ComponentType.FULL == 0
+    except (TypeError, ValueError):
+        return True
+
+
+def _end_operation(tree: Any, recorder: Any, tracker: Tracker, balance: int | None, unified: bool) -> None:
     """End of the outermost operation that touched nodes.
 
     Fast path: nothing announced on host (no counter there) and announced GPU blocks
@@ -495,18 +565,17 @@ def _settle_or_drop(tree: Any, recorder: Any, tracker: Tracker, tokens: Callable
     unchecked.  Otherwise each touched node is checked (:func:`settle`).
     """
     tracker.tree = tree
-    entry_tokens = tracker.entry_tokens
-    if entry_tokens is not None and not tracker.announced.get(MEDIUM_CPU):
+    if balance is not None:
         tracker.absorb(recorder._queue)
-        try:
-            page = tree.page_size
-            now = len(tracker.announced[MEDIUM_GPU]) - tokens(tree) // page
-            unchanged = now == tracker.entry_count - entry_tokens // page
-        except (AttributeError, KeyError, TypeError, ZeroDivisionError):
-            unchanged = False
-        if unchanged:
-            tracker.pending.clear()
-            return
+        if not tracker.cpu:
+            try:
+                tokens = _unified_tokens(tree) if unified else _legacy_tokens(tree)
+                unchanged = len(tracker.gpu) - tokens // tree.page_size == balance
+            except _COUNT_ERRORS:
+                unchanged = False
+            if unchanged:
+                tracker.pending.clear()
+                return
     settle(tree)
 
 
@@ -545,23 +614,28 @@ def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs
         tracker = recorder._kvpub_tracker
     except AttributeError:
         tracker = tracker_of(recorder)
-    if tracker.pending and tracker.tree is not None and tracker.depth == 0:
+    if tracker.pending and tracker.tree is not None and not tracker.depth:
         settle(tracker.tree)  # takes the tracker's lock
     # Tree operations, their hooks and ``take`` run on the scheduler thread: no lock here.
     tracker.absorb(recorder._queue)
     events = original(recorder, *args, **kwargs)
     # Follow the fresh queue now: holding the drained list would delay freeing the
     # taken batch into whatever absorbs next (an idle reconciliation slice).
-    tracker.skip_to_end(recorder._queue)
+    queue = recorder._queue
+    if queue:
+        tracker.skip_to_end(queue)
+    else:
+        tracker.queue_ref = queue
+        tracker.seen = tracker.pos_hash = 0
     return events
 
 
 # One outer hook per tree class, reading that class's device counters.
 _OUTER_HOOKS = {
-    LEGACY_TREE_CLASS: _make_outer_hook(_legacy_tokens),
-    UNIFIED_CORE_CLASS: _make_outer_hook(_unified_tokens),
+    LEGACY_TREE_CLASS: _make_outer_hook(unified=False),
+    UNIFIED_CORE_CLASS: _make_outer_hook(unified=True),
 }
-_COMPONENT_OUTER_HOOK = _make_outer_hook(_unified_tokens, component=True)
+_COMPONENT_OUTER_HOOK = _make_outer_hook(unified=True, component=True)
 
 
 def hook_targets() -> list[tuple[str, Callable[..., Any]]]:

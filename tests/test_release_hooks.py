@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from sglang_kvpub.reconcile import Reconciler, device_pages, drift
-from sglang_kvpub.release_hooks import hook_targets, tree_of
+from sglang_kvpub.release_hooks import _OUTER_HOOKS, UNIFIED_CORE_CLASS, hook_targets, tree_armed, tree_of
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -65,12 +65,15 @@ def _assert_consistent(tree: Any, sub: rt.Subscriber) -> None:
 class TreeMachine(RuleBasedStateMachine):
     page_size = 4
     unified = True
+    armed: bool | None = None  # None: as the tree is (a Full-only unified core is not armed)
 
     def __init__(self) -> None:
         super().__init__()
         n = ns()
         self.tree = rt.unified_tree(n, self.page_size) if self.unified else rt.legacy_tree(n, self.page_size)
         self.sub = rt.Subscriber()
+        if self.armed is not None:
+            rt.tracker(self.tree).armed = self.armed  # as if a SWA/Mamba component could cascade
 
     def _tokens(self, prefix: int, branch: int, length: int) -> list[int]:
         # Few prefixes and branches so requests share and split nodes.
@@ -111,6 +114,12 @@ class LegacyMachine(TreeMachine):
     unified = False
 
 
+class ArmedUnifiedMachine(TreeMachine):
+    """The unified core's operations checked at their end (the balance / settle path)."""
+
+    armed = True
+
+
 _SETTINGS = settings(
     max_examples=12,
     stateful_step_count=25,
@@ -122,6 +131,8 @@ TestUnifiedMachine = TreeMachine.TestCase
 TestUnifiedMachine.settings = _SETTINGS
 TestLegacyMachine = LegacyMachine.TestCase
 TestLegacyMachine.settings = _SETTINGS
+TestArmedUnifiedMachine = ArmedUnifiedMachine.TestCase
+TestArmedUnifiedMachine.settings = _SETTINGS
 
 
 # --------------------------------------------------------------------------- focused cases
@@ -197,3 +208,38 @@ def test_page_128_random_workload_consistent() -> None:
                 tree.match_prefix(n.base.MatchPrefixParams(key=rt.key(n, tokens[:384])))
             _assert_consistent(tree, sub)
         assert sub.events > 0
+
+
+def test_only_trees_with_cascading_components_are_armed() -> None:
+    n = ns()
+    assert not tree_armed(tree_of(rt.unified_tree(n, 4)))  # Full only: SGLang records every release
+    assert tree_armed(rt.legacy_tree(n, 4))  # legacy: always checked
+    hybrid = type("Core", (), {"component_types": (n.ct.FULL, n.ct.SWA)})()
+    assert tree_armed(hybrid)
+
+
+@pytest.mark.parametrize("armed", [True, False])
+def test_silent_release_inside_an_operation(armed: bool) -> None:
+    """A cascade inside a hooked tree operation: an armed tree's hooks emit the removal when
+    the operation ends; a Full-only tree trusts SGLang there, and the drift check repairs."""
+    n = ns()
+    tree = rt.unified_tree(n, 4)
+    sub = rt.Subscriber()
+    rt.insert(n, tree, list(range(1, 17)))
+    rt.insert(n, tree, list(range(1, 9)) + [7] * 8)
+    sub.drain(tree)
+    rt.tracker(tree).armed = armed
+    leaf = _a_device_leaf(tree)
+    operation = _OUTER_HOOKS[UNIFIED_CORE_CLASS]
+    operation(lambda core: _silent_cascade(tree, leaf), tree_of(tree))
+    sub.drain(tree)
+    corrections = rt.tracker(tree).corrections
+    if armed:
+        assert corrections["release_gpu"] == 2
+        assert drift(tree) == 0
+    else:
+        assert corrections["release_gpu"] == 0
+        assert drift(tree) == 2
+        Reconciler(tree).run()
+        assert corrections["reconcile_stale_gpu"] == 2
+    _assert_consistent(tree, sub)
