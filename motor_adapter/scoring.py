@@ -40,6 +40,7 @@ __all__ = [
     "TierCounts",
     "best_rank",
     "conductor_response",
+    "dp_entry",
     "fold_engine_dps",
     "matched_tokens",
     "prefill_cost",
@@ -519,10 +520,10 @@ def conductor_response(
         if fold and len(dps) == 1:
             found = best_rank(hits, weights)
             rank, hit = (found[0], found[1]) if found else (None, None)
-            entries[str(dps[0])] = _dp_entry(hit, rank, block_size)
+            entries[str(dps[0])] = dp_entry(hit, rank, block_size)
         else:
             for dp in dps:
-                entries[str(dp)] = _dp_entry(hits.get(dp), dp, block_size)
+                entries[str(dp)] = dp_entry(hits.get(dp), dp, block_size)
         longest = max((e["matched_tokens"] for e in entries.values()), default=0)
         out[instance] = {"longest_matched": longest, "DP": entries}
     return {tenant: out}
@@ -536,7 +537,8 @@ def _listed_dps(
     return [0] if fold else sorted(hits)
 
 
-def _dp_entry(hit: TierCounts | None, engine_rank: int | None, block_size: int) -> dict[str, Any]:
+def dp_entry(hit: TierCounts | None, engine_rank: int | None, block_size: int) -> dict[str, Any]:
+    """One ``DP`` entry of a conductor answer (all zeros for no hit)."""
     npu, cpu, disk = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks) if hit is not None else (0, 0, 0)
     return {
         "matched_tokens": (npu + cpu + disk) * block_size,

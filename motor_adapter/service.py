@@ -50,6 +50,7 @@ from motor_adapter.scoring import (
     KvAffinityConfig,
     TierCounts,
     best_rank,
+    dp_entry,
     fold_engine_dps,
     select,
 )
@@ -525,9 +526,9 @@ class AdapterState:
             if plan.single:
                 found = best_rank(raw.get(plan.streams[0][1], _NO_HITS), cfg) if plan.streams else None
                 if found is None:
-                    entry = _zero_entry(None)
+                    entry = dp_entry(None, None, block_size)
                 else:
-                    entry = _entry(found[1], found[0], block_size)
+                    entry = dp_entry(found[1], found[0], block_size)
                     observed.append((plan.instance, plan.keys[0], found[0], found[1]))
                 out[plan.instance] = {"longest_matched": entry["matched_tokens"], "DP": {plan.keys[0]: entry}}
                 continue
@@ -541,9 +542,9 @@ class AdapterState:
             for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
                 hit = per_dp.get(dp)
                 if hit is None:
-                    entries[dp_key] = _zero_entry(dp)
+                    entries[dp_key] = dp_entry(None, dp, block_size)
                     continue
-                entry = entries[dp_key] = _entry(hit, dp, block_size)
+                entry = entries[dp_key] = dp_entry(hit, dp, block_size)
                 longest = max(longest, entry["matched_tokens"])
                 observed.append((plan.instance, dp_key, dp, hit))
             out[plan.instance] = {"longest_matched": longest, "DP": entries}
@@ -655,21 +656,6 @@ class AdapterState:
 
 
 _NO_HITS: Mapping[int, TierCounts] = {}
-
-
-def _entry(hit: TierCounts, engine_rank: int, block_size: int) -> dict[str, Any]:
-    npu, cpu, disk = hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks
-    return {
-        "matched_tokens": (npu + cpu + disk) * block_size,
-        "npu_blocks": npu,
-        "cpu_blocks": cpu,
-        "disk_blocks": disk,
-        "engine_dp_rank": engine_rank,
-    }
-
-
-def _zero_entry(engine_rank: Union[int, None]) -> dict[str, Any]:
-    return {"matched_tokens": 0, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 0, "engine_dp_rank": engine_rank}
 
 
 # --------------------------------------------------------------------------- metrics

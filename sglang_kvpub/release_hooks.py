@@ -442,8 +442,9 @@ def node_end_hashes(recorder: Any, node: Any) -> tuple[int, int] | tuple[()]:
 # Hot path: every hooked call pays the hook's frame, so the hooks below do the least
 # possible per call: the tracker is an instance attribute of the recorder (read with
 # plain attribute access; the AttributeError path sets it up once), the device counters
-# are read inline per tree class, the queue is absorbed only when it changed, nested
-# outer operations only count depth, and the end-of-operation check is inline.
+# are read by a per-class function (no missing-attribute lookups), the queue is absorbed
+# only when it changed, nested outer operations only count depth, and the
+# end-of-operation check is inline.
 
 
 def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
@@ -521,10 +522,7 @@ def _make_outer_hook(unified: bool, component: bool = False) -> Callable[..., An
                     tracker.pending.clear()
         tracker.absorb(recorder._queue)
         try:
-            if unified:
-                tokens = tree.component_evictable_size_[0] + tree.component_protected_size_[0]
-            else:
-                tokens = tree.evictable_size_ + tree.protected_size_
+            tokens = _unified_tokens(tree) if unified else _legacy_tokens(tree)
             balance: int | None = len(tracker.gpu) - tokens // tree.page_size
         except _COUNT_ERRORS:
             balance = None

@@ -16,11 +16,10 @@
 from __future__ import annotations
 
 import dataclasses
-import queue
 import time
 from typing import Any
 
-from kvpub_procs import BLOCK_SIZE
+from kvpub_procs import BLOCK_SIZE, serve_commands
 
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.residency import RankResidency
@@ -98,23 +97,20 @@ def run_ctl_rank(config: PluginConfig, rank: int, channel: str, commands: Any, a
 
     publisher = RankPublisher(config, rank, BLOCK_SIZE, channel)
     answers.put(("ready", rank))
+
+    def handle(command: Any) -> None:
+        if command == "stats":
+            answers.put(("stats", rank, publisher.stats))
+            return
+        _, start, stop, interval_s = command
+        for index in range(start, stop):
+            publisher.publish(EventBatch(ts=time.time(), events=tree_events(rank, index)))
+            if interval_s:
+                time.sleep(interval_s)  # pacing a producer, not synchronisation
+        answers.put(("published", rank, stop))
+
     try:
-        while True:
-            try:
-                command = commands.get(timeout=10.0)
-            except queue.Empty:
-                continue
-            if command == "stop":
-                break
-            if command == "stats":
-                answers.put(("stats", rank, publisher.stats))
-                continue
-            _, start, stop, interval_s = command
-            for index in range(start, stop):
-                publisher.publish(EventBatch(ts=time.time(), events=tree_events(rank, index)))
-                if interval_s:
-                    time.sleep(interval_s)  # pacing a producer, not synchronisation
-            answers.put(("published", rank, stop))
+        serve_commands(commands, handle)
     finally:
         publisher.shutdown()
 
@@ -129,16 +125,13 @@ def run_adapter(endpoint: str, replay: str, ranks: int, commands: Any, answers: 
     sub = StreamSubscriber("inst", endpoint, index, replay_endpoint=replay, options=options)
     sub.start()
     answers.put("ready")
+
+    def handle(_command: Any) -> None:
+        resident = {(r, m): index.resident("inst", r, m) for r in range(ranks) for m in MEDIA}
+        answers.put((resident, dataclasses.asdict(sub.health())))
+
     try:
-        while True:
-            try:
-                command = commands.get(timeout=10.0)
-            except queue.Empty:
-                continue
-            if command == "stop":
-                break
-            resident = {(r, m): index.resident("inst", r, m) for r in range(ranks) for m in MEDIA}
-            answers.put((resident, dataclasses.asdict(sub.health())))
+        serve_commands(commands, handle)
     finally:
         sub.stop()
 

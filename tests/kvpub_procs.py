@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sglang_kvpub.config import PluginConfig
@@ -50,16 +51,21 @@ def run_fanin(config: PluginConfig, dp_size: int, channel: str, ready: Any, comm
     fanin.start()
     ready.set()
     try:
-        while True:
-            try:
-                command = commands.get(timeout=10.0)
-            except queue.Empty:
-                continue
-            if command == "stop":
-                break
-            answers.put(fanin.stats())
+        serve_commands(commands, lambda _command: answers.put(fanin.stats()))
     finally:
         fanin.stop()
+
+
+def serve_commands(commands: Any, handle: Callable[[Any], None]) -> None:
+    """``handle(command)`` for each command from the queue until ``"stop"``."""
+    while True:
+        try:
+            command = commands.get(timeout=10.0)
+        except queue.Empty:
+            continue
+        if command == "stop":
+            return
+        handle(command)
 
 
 def run_rank(
