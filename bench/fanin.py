@@ -3,17 +3,25 @@
 Producer processes host the ranks (16 by default).  Every batch is published twice, in the
 same call: directly on the rank's own PUB (what SGLang does today, base+rank) and through
 a :class:`RankPublisher` to the fan-in process, over the internal channel the plugin uses
-by default on one node (ipc in the private per-instance directory).
+by default on one node (a Unix SEQPACKET socket in the private per-instance directory;
+``--channel ipc`` or ``tcp`` measures ZMQ's PUSH/PULL instead).
 
 * latency phase: ``rate`` batches/s per rank x 4 events for ``seconds``.  ONE subscriber
   process holds two SUB sockets - one connected to the 16 direct streams, one to the
-  instance stream - and reads them alternately, stamping each batch on receipt.  Added
-  latency is, per batch, instance arrival minus direct arrival (p50/p99 over all
-  batches).  One process for both arms makes the measurement paired: a delay of the
-  consumer itself (descheduled, busy) hits both arms alike instead of adding the jitter of
-  two independent consumer processes to the difference.  The old two-process figure is
-  reported alongside (``unpaired_added_latency_p50_p99_ms``: per-arm percentiles of
-  publish-to-receipt latency, instance minus direct).
+  instance stream - and reads them alternately, stamping each batch on receipt, so both
+  arms meet the same consumer.  Each arm's latency is rank publish (the batch's ``ts``)
+  to receipt.  ``added_latency_p50_ms`` / ``added_latency_p99_ms`` are the instance
+  stream's percentile minus the direct streams' percentile: how much the fan-in moves the
+  latency distribution a router sees.
+  Reported alongside, ``paired_added_latency_p50_p99_ms``: the percentiles of the
+  per-batch difference (instance arrival minus the same batch's direct arrival).  Its
+  tail also holds every stall that hit one path and not the other, wherever it came from;
+  ``--control aa`` measures how large that is for two *identical* paths (see below).
+* ``--control aa`` (A/A control; not a measurement of the fan-in): each batch also goes
+  out on a second direct PUB per rank, in the same call, and the subscriber reads the
+  two direct arms instead of direct + instance (the fan-in still runs and is fed, so the
+  load is about the same).  The same statistics then show what the method reports for a
+  relay that adds nothing.
 * throughput phase: producers publish as fast as they can; two subscriber processes, one
   per arm, each rate = batches received / span of its arrivals; ratio = instance / direct.
 
@@ -21,13 +29,15 @@ The producer processes run at ``--producer-nice`` (default 10) in both phases: t
 stand in for 16 scheduler processes that in a deployment have cores of their own, as
 does the DP controller that hosts the fan-in; on this 2-core box, without it, the load
 generators would take the CPU from the processes being measured (the fan-in and the
-subscriber, which keep the default priority).  ``--nice-scope process`` (default)
-renices the whole producer before it creates anything, so its ZMQ I/O thread - the first
-hop of BOTH arms - runs at the same niceness as its generating thread, which also runs
-both arms' publishing code (SGLang's direct encode + send, and ``RankPublisher.publish``
-with the default ``rank_send = "inline"``).  ``--nice-scope generator`` renices only the
-generating thread, after the sockets exist (Linux niceness is per thread): the
-producers' I/O threads then compete with the fan-in at the default priority.
+subscriber, which keep the default priority).  ``--nice-scope generator`` (default)
+renices only the generating thread, after the sockets exist (Linux niceness is per
+thread): the producers' ZMQ I/O threads keep the default priority, as a scheduler
+process's publisher thread does.  That I/O thread is the direct arm's first hop; with
+the default channel the instance arm has none (the rank's send is a system call in the
+generating thread), so this is the scope that does not slow the baseline down.
+``--nice-scope process`` renices the whole producer before it creates anything, I/O
+thread included: the direct arm then waits for a niced thread, which makes the instance
+stream look faster than it is (its added p99 comes out below zero).
 Diagnostic fields: each arm's own latency from the publish-time stamp (``ts``, taken
 with ``time.time()`` in the producer and compared with ``time.time()`` at receipt: one
 clock on one machine), the CPU share of each process during the latency phase, and how
@@ -52,7 +62,7 @@ import msgspec
 import zmq
 
 from sglang_kvpub import wire
-from sglang_kvpub.channel import resolve_channel_endpoint
+from sglang_kvpub.channel import private_dir, resolve_channel_endpoint
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.zmq_io import NOBLOCK, recv_frame
 
@@ -95,7 +105,7 @@ def make_batch(rank: int, phase: int, index: int) -> wire.EventBatch:
 
 def producer(
     config: PluginConfig, ranks: list[int], direct_base: int, channel: str, rate: float, seconds: float,
-    go: Any, phase_done: Any, nice: int, nice_scope: str,
+    go: Any, phase_done: Any, nice: int, nice_scope: str, control_base: int | None,
 ) -> None:  # fmt: skip
     import os
 
@@ -104,12 +114,15 @@ def producer(
     if nice and nice_scope == "process":
         os.nice(nice)  # before any thread exists: every thread of the producer inherits it
     ctx: zmq.Context[Any] = zmq.Context()
-    pubs = {}
-    for rank in ranks:
+
+    def bound_pub(port: int) -> zmq.Socket[bytes]:
         pub = ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 100_000)
-        pub.bind(f"tcp://127.0.0.1:{direct_base + rank}")
-        pubs[rank] = pub
+        pub.bind(f"tcp://127.0.0.1:{port}")
+        return pub
+
+    pubs = {rank: bound_pub(direct_base + rank) for rank in ranks}
+    controls = {rank: bound_pub(control_base + rank) for rank in ranks} if control_base is not None else {}
     publishers = {rank: RankPublisher(config, rank, PAGE, channel, context=ctx) for rank in ranks}
     if nice and nice_scope == "generator":
         os.nice(nice)  # this thread only: the I/O and sender threads already exist
@@ -126,13 +139,17 @@ def producer(
                 # Encoded before publish(): the rank publisher's in-place enrichment comes after.
                 c0 = clock()
                 direct = wire.EventBatch(ts=batch.ts, events=batch.events, dp_rank=rank)
-                pubs[rank].send_multipart([b"", wire.encode_seq(index), encoder.encode(direct)])
+                frames = [b"", wire.encode_seq(index), encoder.encode(direct)]
+                pubs[rank].send_multipart(frames)
                 c1 = clock()
-                publishers[rank].publish(batch)  # same ts: pairs the two arrivals
+                if controls:
+                    controls[rank].send_multipart(frames)  # the A/A control's second direct arm
+                c1b = clock() if controls else c1
+                publishers[rank].publish(batch)  # same ts: pairs the arrivals
                 c2 = clock()
                 if paced:
                     costs["direct"].append(c1 - c0)
-                    costs["instance"].append(c2 - c1)
+                    costs["instance"].append(c2 - c1b)
             index += 1
             if paced:
                 delay = start + index / rate - time.monotonic()
@@ -214,6 +231,44 @@ def fanin_proc(config: PluginConfig, dp_size: int, channel: str, ready: Any, sto
     fanin.stop()
 
 
+def _spin_for_gaps(cpu: int, seconds: float, out: Any) -> None:
+    """Spins on one CPU and reports how often, and for how long, it was not running."""
+    import os
+
+    os.sched_setaffinity(0, {cpu})
+    clock = time.perf_counter_ns
+    end = clock() + int(seconds * 1e9)
+    prev = clock()
+    over_half, over_1ms, longest = 0, 0, 0
+    while prev < end:
+        now = clock()
+        gap = now - prev
+        prev = now
+        if gap > 500_000:
+            over_half += 1
+            over_1ms += gap > 1_000_000
+            longest = max(longest, gap)
+    out.put({"cpu": cpu, "over_0.5ms": over_half, "over_1ms": over_1ms, "max_ms": round(longest / 1e6, 2)})
+
+
+def host_stall_probe(seconds: float) -> list[dict[str, Any]]:
+    """Before the phases, with nothing else busy: one spinning process per CPU.  A gap in
+    its clock readings is time the CPU ran something else - on an idle VM, mostly the
+    host descheduling the virtual CPU.  Such stalls hit either path of the latency phase
+    and set a floor under its tail that no code here can lower."""
+    import os
+
+    spawn = mp.get_context("spawn")
+    out = spawn.Queue()
+    procs = [spawn.Process(target=_spin_for_gaps, args=(cpu, seconds, out)) for cpu in sorted(os.sched_getaffinity(0))]
+    for proc in procs:
+        proc.start()
+    results = sorted((out.get(timeout=seconds + 60) for _ in procs), key=lambda r: int(r["cpu"]))
+    for proc in procs:
+        proc.join(10)
+    return results
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -287,16 +342,40 @@ def main() -> int:
     parser.add_argument("--producers", type=int, default=4, help="processes hosting the ranks")
     parser.add_argument("--producer-nice", type=int, default=10, help="niceness of the producer processes (0: none)")
     parser.add_argument(
-        "--nice-scope", choices=("process", "generator"), default="process", help="what --producer-nice applies to"
+        "--nice-scope", choices=("process", "generator"), default="generator", help="what --producer-nice applies to"
     )
     parser.add_argument("--rank-send", choices=("inline", "thread"), default="inline", help="PluginConfig.rank_send")
+    parser.add_argument(
+        "--channel",
+        choices=("default", "ipc", "tcp"),
+        default="default",
+        help="internal channel: the plugin's default on one node (unixpkt), ZMQ ipc, or ZMQ tcp on loopback",
+    )
+    parser.add_argument(
+        "--host-probe-s", type=float, default=2.0, help="seconds of the host stall probe before the phases (0: none)"
+    )
+    parser.add_argument(
+        "--control",
+        choices=("aa",),
+        default=None,
+        help="aa: the latency phase compares two identical direct arms (the method's own floor), not the fan-in",
+    )
     args = parser.parse_args()
 
+    host_stalls = host_stall_probe(args.host_probe_s) if args.host_probe_s > 0 else None
     spawn = mp.get_context("spawn")
     direct_base = free_port_block(args.ranks)
+    control_base = free_port_block(args.ranks) if args.control else None
     instance = f"tcp://127.0.0.1:{free_port_block(1)}"
-    config = PluginConfig(endpoint=instance, bind=True, heartbeat_s=1.0, rank_send=args.rank_send)
-    channel = resolve_channel_endpoint(config)  # the default: ipc in the private directory
+    internal = {
+        "default": None,  # the plugin's choice: unixpkt in the private directory
+        "ipc": f"ipc://{private_dir() / f'bench-fanin-{direct_base}.sock'}",
+        "tcp": f"tcp://127.0.0.1:{free_port_block(1)}",
+    }[args.channel]
+    config = PluginConfig(
+        endpoint=instance, bind=True, heartbeat_s=1.0, rank_send=args.rank_send, internal_channel=internal
+    )
+    channel = resolve_channel_endpoint(config)
     stop_fanin, fanin_ready, fanin_out = spawn.Event(), spawn.Event(), spawn.Queue()
     fanin = spawn.Process(target=fanin_proc, args=(config, args.ranks, channel, fanin_ready, stop_fanin, fanin_out))
     fanin.start()
@@ -305,7 +384,7 @@ def main() -> int:
     go = {phase: spawn.Event() for phase in (1, 2, 3)}
     phase_done = spawn.Queue()
     groups = [list(range(args.ranks))[i :: args.producers] for i in range(args.producers)]
-    common = (args.rate, args.seconds, go, phase_done, args.producer_nice, args.nice_scope)
+    common = (args.rate, args.seconds, go, phase_done, args.producer_nice, args.nice_scope, control_base)
     producers = [
         spawn.Process(target=producer, args=(config, group, direct_base, channel, *common)) for group in groups if group
     ]
@@ -315,7 +394,10 @@ def main() -> int:
     watched = {name: proc.pid for name, proc in named.items() if proc.pid is not None}
 
     direct_streams = [f"tcp://127.0.0.1:{direct_base + r}" for r in range(args.ranks)]
-    paired = {"subscriber": {"direct": direct_streams, "instance": [instance]}}
+    # The arm compared with the direct streams: the instance stream, or the A/A control's twin.
+    arm = "control" if control_base is not None else "instance"
+    compared = [f"tcp://127.0.0.1:{control_base + r}" for r in range(args.ranks)] if control_base else [instance]
+    paired = {"subscriber": {"direct": direct_streams, arm: compared}}
     latency, cpu_shares, send_costs = _run_phase(1, paired, go, phase_done, producers, watched)
     separate = {"subscriber_direct": {"direct": direct_streams}, "subscriber_instance": {"instance": [instance]}}
     throughput, _, _ = _run_phase(2, separate, go, phase_done, producers, watched)
@@ -327,9 +409,9 @@ def main() -> int:
     fanin.join(30)
 
     direct_at = dict(latency["direct"])
-    added = [(t - direct_at[k]) * 1000 for k, t in latency["instance"] if k in direct_at]
+    paired_added = [(t - direct_at[k]) * 1000 for k, t in latency[arm] if k in direct_at]
     # Each arm's own latency from the batch's publish-time stamp (same clock).
-    instance_lat = [(t - k[1]) * 1000 for k, t in latency["instance"]]
+    arm_lat = [(t - k[1]) * 1000 for k, t in latency[arm]]
     direct_lat = [(t - k[1]) * 1000 for k, t in latency["direct"]]
 
     def rate_of(arrivals: list[Arrival]) -> float:
@@ -340,28 +422,34 @@ def main() -> int:
     def pcts(values: list[float]) -> list[float] | None:
         return [round(percentile(values, q), 4) for q in (0.5, 0.99)] if values else None
 
+    def added_at(q: float) -> float | None:
+        if not arm_lat or not direct_lat:
+            return None
+        return round(percentile(arm_lat, q) - percentile(direct_lat, q), 4)
+
     sustained = rate_of(throughput["instance"])
     direct_rate = rate_of(throughput["direct"])
-    instance_pcts, direct_pcts = pcts(instance_lat), pcts(direct_lat)
     line = {
         "bench": "fanin",
         "ranks": args.ranks,
-        "added_latency_p50_ms": round(percentile(added, 0.50), 4) if added else None,
-        "added_latency_p99_ms": round(percentile(added, 0.99), 4) if added else None,
+        "added_latency_p50_ms": added_at(0.50),
+        "added_latency_p99_ms": added_at(0.99),
         "sustained_batches_per_s": round(sustained, 1),
         "direct_batches_per_s": round(direct_rate, 1),
         "throughput_ratio_vs_direct": round(sustained / direct_rate, 3) if direct_rate else None,
-        "latency_method": "paired: one subscriber process reads both arms; per-batch arrival difference",
-        "latency_phase_batches": len(latency["instance"]),
+        "latency_method": "publish-to-receipt percentile of the instance stream minus that of the direct streams; "
+        "one subscriber process reads both",
+        "control": args.control,
+        "latency_phase_batches": len(latency[arm]),
         "latency_phase_direct_batches": len(direct_at),
         "latency_phase_offered": args.ranks * args.rate * args.seconds,
-        "added_latency_mean_ms": round(statistics.fmean(added), 4) if added else None,
-        "added_latency_p999_ms": round(percentile(added, 0.999), 4) if added else None,
-        "instance_latency_p50_p99_ms": instance_pcts,
-        "direct_latency_p50_p99_ms": direct_pcts,
-        "unpaired_added_latency_p50_p99_ms": [round(a - b, 4) for a, b in zip(instance_pcts, direct_pcts, strict=True)]
-        if instance_pcts and direct_pcts
-        else None,
+        "added_latency_p999_ms": added_at(0.999),
+        f"{arm}_latency_p50_p99_ms": pcts(arm_lat),
+        "direct_latency_p50_p99_ms": pcts(direct_lat),
+        # Per batch: its arrival on the compared arm minus its arrival on the direct arm.
+        "paired_added_latency_p50_p99_ms": pcts(paired_added),
+        "paired_added_latency_p999_ms": round(percentile(paired_added, 0.999), 4) if paired_added else None,
+        "paired_added_latency_mean_ms": round(statistics.fmean(paired_added), 4) if paired_added else None,
         "latency_phase_cpu_share": cpu_shares,
         # CPU in the publishing thread per batch: SGLang's direct path (encode + send on the
         # rank's PUB) vs RankPublisher.publish (rank_send inline: enrich + encode + send).
@@ -377,6 +465,7 @@ def main() -> int:
         "producer_nice": args.producer_nice,
         "nice_scope": args.nice_scope,
         "fanin_gaps": sum(r["gaps"] for r in fanin_stats["ranks"].values()),
+        "host_stalls": {"probe_s": args.host_probe_s, "per_cpu": host_stalls} if host_stalls else None,
     }
     print(json.dumps(line), flush=True)
     return 0

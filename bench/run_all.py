@@ -46,7 +46,11 @@ class Bench:
 
 BENCHES: tuple[Bench, ...] = (
     Bench("wire", "bench/wire.py", quick=(("--batches", "200"), ("--seconds", "0.3"))),
-    Bench("fanin", "bench/fanin.py", quick=(("--ranks", "4"), ("--seconds", "1"), ("--producers", "2"))),
+    Bench(
+        "fanin",
+        "bench/fanin.py",
+        quick=(("--ranks", "4"), ("--seconds", "1"), ("--producers", "2"), ("--host-probe-s", "0.2")),
+    ),
     Bench(
         "residency",
         "bench/residency.py",

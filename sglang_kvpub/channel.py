@@ -8,11 +8,13 @@ reads it with one backend ``recv`` and no ``RCVMORE`` query (:mod:`sglang_kvpub.
 a multipart message from a foreign peer is read frame by frame and each frame fails the
 magic check (counted as malformed).
 
-On one node the channel is ipc in a private directory (mode 0700, under
-``$XDG_RUNTIME_DIR`` or the temp dir) whose socket name both sides derive from an
-instance key (the instance PUB endpoint), so ranks and fan-in agree without any extra
-setting.  Multi-node DP uses ``internal_channel = tcp://<fan-in host>:<port>``.
-The PUSH side never blocks: ``NOBLOCK`` sends, bounded HWM, drops counted.
+On one node the channel is a Unix SEQPACKET socket (``unixpkt://``, see
+:mod:`sglang_kvpub.packet_channel`; ZMQ ipc where that socket type does not exist) in a
+private directory (mode 0700, under ``$XDG_RUNTIME_DIR`` or the temp dir) whose socket
+name both sides derive from an instance key (the instance PUB endpoint), so ranks and
+fan-in agree without any extra setting.  Multi-node DP uses ``internal_channel =
+tcp://<fan-in host>:<port>`` (ZMQ).  The sending side never blocks: non-blocking sends,
+bounded buffers, drops counted.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import socket
 import stat
 import struct
 import tempfile
@@ -44,9 +47,12 @@ __all__ = [
     "default_channel_endpoint",
     "resolve_channel_endpoint",
     "private_dir",
+    "seqpacket_available",
+    "PACKET_SCHEME",
 ]
 
 MAGIC = b"kvpub2"  # kvpub1 was the three-frame form
+PACKET_SCHEME = "unixpkt://"  # the Unix SEQPACKET channel (packet_channel.py); others are ZMQ
 _PREFIX = struct.Struct(">6sIQQ")  # magic, dp_rank, rank_epoch, rank_seq
 PREFIX_BYTES = _PREFIX.size
 MAX_MESSAGE_BYTES = 64 << 20
@@ -96,13 +102,28 @@ def private_dir() -> Path:
 
 
 def default_channel_endpoint(instance_key: str) -> str:
-    """``ipc://<private dir>/<hash of instance_key>.sock``; every process computes the same."""
+    """``unixpkt://<private dir>/<hash of instance_key>.pkt`` (:mod:`sglang_kvpub.packet_channel`),
+    or ZMQ's ``ipc://<private dir>/<hash>.sock`` where Unix SEQPACKET sockets do not exist;
+    every process computes the same."""
     digest = hashlib.sha256(instance_key.encode("utf-8")).hexdigest()[:20]
+    if seqpacket_available():
+        return f"{PACKET_SCHEME}{private_dir() / digest}.pkt"
     return f"ipc://{private_dir() / digest}.sock"
 
 
+def seqpacket_available() -> bool:
+    """Unix SEQPACKET sockets exist here (Linux; not macOS)."""
+    if not hasattr(socket, "AF_UNIX") or not hasattr(socket, "SOCK_SEQPACKET"):
+        return False
+    try:
+        socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET).close()
+    except OSError:
+        return False
+    return True
+
+
 def resolve_channel_endpoint(config: PluginConfig) -> str:
-    """``internal_channel`` if configured, else the per-instance ipc keyed by the PUB endpoint."""
+    """``internal_channel`` if configured, else the per-instance default keyed by the PUB endpoint."""
     return config.internal_channel or default_channel_endpoint(config.endpoint)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union, get_args
 
@@ -221,9 +222,23 @@ def _heartbeat(key: str, value: Any) -> None:
         raise _bad(key, value, "use a number of seconds in (0, 3600], e.g. 1.0")
 
 
+_UNIX_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+
+
 def _internal_channel(key: str, value: Any) -> None:
     if value is None:
         return
+    if isinstance(value, str) and value.startswith("unixpkt://"):  # the Unix SEQPACKET channel, one node
+        path = value[len("unixpkt://") :]
+        if not path:
+            raise _bad(key, value, "give a socket path, e.g. 'unixpkt:///run/sglang-kvpub/ch.pkt'")
+        if not hasattr(socket, "SOCK_SEQPACKET"):
+            raise _bad(key, value, "this platform has no Unix SEQPACKET sockets: use 'ipc://<path>'")
+        if len(os.fsencode(path)) > _UNIX_PATH_MAX:
+            raise _bad(key, value, f"Unix socket paths are limited to {_UNIX_PATH_MAX} bytes: use a shorter path")
+        return
+    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://", "inproc://")):
+        raise _bad(key, value, "use 'unixpkt://<path>' (one node), 'ipc://<path>' or 'tcp://<fan-in host>:<port>'")
     _endpoint(False)(key, value)
     if isinstance(value, str) and value.startswith("tcp://") and "*" in value:
         raise _bad(key, value, "ranks connect to it: give the fan-in host's address, e.g. 'tcp://10.0.0.1:5600'")

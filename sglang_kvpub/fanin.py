@@ -40,11 +40,12 @@ with ``ROUTER_MANDATORY``: a slow reader slows only its own reply, never the str
 Thread safety: :meth:`ingest` may be called from any thread; calls are serialised by
 one lock and each rank's order is the order of its calls.
 
-Hot path (internal channel): a burst of frames is handled under one lock acquisition;
-each payload from our own rank publishers is decoded only structurally (token ids stay
-msgpack bytes, see :class:`~sglang_kvpub.residency.RawBatch`), published as is, and its
-residency update is queued; the queue is applied at the end of the burst and before
-anything reads residency (snapshot, stats, a rank restart).  Token ids are not
+Hot path (internal channel): a burst of messages is handled under one lock acquisition.
+Each payload from our own rank publishers is decoded only structurally (token ids stay
+msgpack bytes, see :class:`~sglang_kvpub.residency.RawBatch`) and checked; then the
+burst's payloads are published as they are, back to back (one ZMQ I/O-thread wake-up per
+burst rather than per batch); then their residency updates are applied - and before
+anything else reads residency (snapshot, stats, a rank restart).  Token ids are not
 re-validated here: the channel is private to the instance, and every consumer's decoder
 checks them.
 """
@@ -66,12 +67,14 @@ import msgspec
 import zmq
 
 from sglang_kvpub.channel import (
+    PACKET_SCHEME,
     ChannelPuller,
     default_channel_endpoint,
     parse_channel_message,
     resolve_channel_endpoint,
 )
 from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.packet_channel import PacketListener
 from sglang_kvpub.residency import RankResidency, raw_batch_decoder
 from sglang_kvpub.security import apply_server, server_keys_from_files, start_authenticator
 from sglang_kvpub.wire import (
@@ -100,6 +103,7 @@ _MAX_JOBS = 64
 _JOB_STALL_S = 30.0  # a replay client that reads nothing for this long is dropped
 _SLICE_MESSAGES = 32
 _CHANNEL_BURST = 512
+_PUBLISH_RUN = 32  # a long burst is published in runs: its first batches do not wait for the rest
 
 
 @dataclasses.dataclass
@@ -165,6 +169,7 @@ class FanIn:
         self._trusted = msgspec.msgpack.Decoder(EventBatch)
         self._fast = raw_batch_decoder()
         self._pending: list[tuple[int, list[Any]]] = []  # (dp_rank, events) not yet in residency
+        self._outbox: list[bytes] = []  # payloads of the current burst, not yet published
         self._lock = threading.Lock()
         self._counter = 0
         self._seq_base = make_seq(self.epoch, 0)
@@ -178,6 +183,8 @@ class FanIn:
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._puller: ChannelPuller | None = None
+        self._packets: PacketListener | None = None  # the unixpkt:// channel instead of a PULL
+        self._next_beat = self._next_liveness = 0.0  # loop timers (monotonic)
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._log_malformed = _RateLog()
         self._log_gap = _RateLog()
@@ -211,9 +218,12 @@ class FanIn:
                 apply_server(router, curve)
                 self._router = router
                 router.bind(config.replay_endpoint)
-            if self.listen_channel:
+            if self.listen_channel and self.channel_endpoint.startswith(PACKET_SCHEME):
+                # Ranks (re)connect once each; the bound keeps a local misbehaving peer small.
+                self._packets = PacketListener(self.channel_endpoint, max_connections=max(64, 4 * self.dp_size))
+            elif self.listen_channel:
                 self._puller = ChannelPuller(self.channel_endpoint, config.hwm, context)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):
             self._close_sockets(pub)
             raise
         self._pub = pub
@@ -252,6 +262,9 @@ class FanIn:
         if self._puller is not None:
             self._puller.close()
             self._puller = None
+        if self._packets is not None:
+            self._packets.close()
+            self._packets = None
 
     # ------------------------------------------------------------------ ingest
 
@@ -266,6 +279,7 @@ class FanIn:
             if self._pub is None:
                 return
             self._forward(dp_rank, rank_epoch, rank_seq, batch_or_payload, time.time(), time.monotonic())
+            self._publish_outbox()
             self._apply_pending()
 
     def _forward(
@@ -277,7 +291,8 @@ class FanIn:
         wall: float,
         mono: float,
     ) -> None:
-        """Under the lock: sequence check, decode, publish; queues the residency update."""
+        """Under the lock: sequence check, decode; queues the payload for publishing and the
+        residency update."""
         if not 0 <= dp_rank < self.dp_size:  # state is kept per rank: never per network-chosen key
             self._counts["malformed"] += 1
             self._log_malformed("kvpub fan-in: dp_rank %d outside dp_size %d; batch dropped", dp_rank, self.dp_size)
@@ -294,7 +309,7 @@ class FanIn:
             if decoded is None:
                 return
             events, payload = decoded
-        self._emit(payload)
+        self._outbox.append(payload)
         if events:
             self._pending.append((dp_rank, events))
 
@@ -389,8 +404,19 @@ class FanIn:
         log.warning("kvpub fan-in: rank %d restarted (new rank epoch); clearing its blocks", dp_rank)
         self._apply_pending()  # the old epoch's batches first, then the clear
         self._residency_of(dp_rank).clear()
-        self._emit(self._encoder.encode(EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)))
+        clear = EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)
+        self._outbox.append(self._encoder.encode(clear))  # before the new epoch's first batch
         self._counts["rank_restarts"] += 1
+
+    def _publish_outbox(self) -> None:
+        """Under the lock: the burst's batches, back to back.  ZMQ wakes its I/O thread when
+        a send finds it idle; sends that follow each other closely find it still busy, so a
+        burst costs about one wake-up instead of one per batch."""
+        outbox = self._outbox
+        if outbox:
+            self._outbox = []
+            for payload in outbox:
+                self._emit(payload)
 
     def _emit(self, payload: bytes) -> int:
         """Publishes one instance batch under the lock; returns its seq."""
@@ -422,42 +448,53 @@ class FanIn:
         poller = zmq.Poller()
         if self._puller is not None:
             poller.register(self._puller.socket, zmq.POLLIN)
+        if self._packets is not None:
+            poller.register(self._packets.fileno(), zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
-        heartbeat = self.config.heartbeat_s
-        next_beat = time.monotonic() + heartbeat
-        next_liveness = time.monotonic() + heartbeat
+        self._next_beat = self._next_liveness = time.monotonic() + self.config.heartbeat_s
         while not self._stop.is_set():
-            now = time.monotonic()
-            # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
-            jobs = self._jobs
-            if jobs:
-                runnable = any(job.pending is None for job in jobs)
-                wait_s = 0.0 if runnable else min(max(0.0, next_beat - now), 0.01)
-            else:
-                wait_s = min(max(0.0, next_beat - now), 0.1)
-            if poller.sockets:
-                ready = dict(poller.poll(int(wait_s * 1000)))
-            else:
-                self._stop.wait(wait_s)
-                ready = {}
-            if self._puller is not None and self._puller.socket in ready:
-                self._drain_channel(self._puller.socket)
-            if self._router is not None and self._router in ready:
-                self._drain_requests(self._router)
-            if self._jobs:
-                self._advance_jobs()
-            now = time.monotonic()
-            if now >= next_beat:
-                self._heartbeat()
-                next_beat = now + heartbeat
-            if now >= next_liveness:
-                self._check_liveness(now)
-                next_liveness = now + heartbeat
+            try:
+                self._turn(poller)
+            except Exception:  # a bug must not silently end the instance stream
+                self._counts["loop_errors"] += 1
+                log.exception("kvpub fan-in: loop turn failed; continuing")
+                self._stop.wait(0.01)  # a fault that repeats must not spin a core
+
+    def _turn(self, poller: zmq.Poller) -> None:
+        """One wait for input (or the next timer), then everything that is due."""
+        now = time.monotonic()
+        # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
+        jobs = self._jobs
+        if jobs:
+            runnable = any(job.pending is None for job in jobs)
+            wait_s = 0.0 if runnable else min(max(0.0, self._next_beat - now), 0.01)
+        else:
+            wait_s = min(max(0.0, self._next_beat - now), 0.1)
+        if poller.sockets:
+            ready = dict(poller.poll(int(wait_s * 1000)))
+        else:
+            self._stop.wait(wait_s)
+            ready = {}
+        if self._puller is not None and self._puller.socket in ready:
+            self._drain_channel(self._puller.socket)
+        if self._packets is not None and ready:
+            self._drain_packets(self._packets, poller, ready)
+        if self._router is not None and self._router in ready:
+            self._drain_requests(self._router)
+        if self._jobs:
+            self._advance_jobs()
+        now = time.monotonic()
+        if now >= self._next_beat:
+            self._heartbeat()
+            self._next_beat = now + self.config.heartbeat_s
+        if now >= self._next_liveness:
+            self._check_liveness(now)
+            self._next_liveness = now + self.config.heartbeat_s
 
     def _drain_channel(self, socket: zmq.Socket[bytes]) -> None:
-        """Up to one burst under one lock: each batch published as it is read, the
-        residency updated once the burst is out."""
+        """Up to one burst under one lock: the batches published in runs of up to
+        ``_PUBLISH_RUN``, the residency updated once the burst is out."""
         wall, mono = time.time(), time.monotonic()
         with self._lock:
             if self._pub is None:
@@ -475,6 +512,41 @@ class FanIn:
                     _discard_rest(socket)  # a foreign multipart message counts once
                     continue
                 self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
+                if len(self._outbox) >= _PUBLISH_RUN:
+                    self._publish_outbox()
+            self._publish_outbox()
+            self._apply_pending()
+
+    def _drain_packets(self, packets: PacketListener, poller: zmq.Poller, ready: dict[Any, int]) -> None:
+        """The unixpkt:// channel: new rank connections, then each ready connection's
+        messages (up to one burst each) under one lock, as :meth:`_drain_channel`."""
+        listener = packets.fileno()
+        if listener in ready:
+            for fd in packets.accept():
+                poller.register(fd, zmq.POLLIN)
+        wall, mono = time.time(), time.monotonic()
+        with self._lock:
+            if self._pub is None:
+                return
+            for fd in ready:
+                if fd == listener or fd not in packets.connections:
+                    continue
+                messages, closed = packets.read(fd, _CHANNEL_BURST)
+                if closed:
+                    poller.unregister(fd)
+                for message in messages:
+                    try:
+                        if isinstance(message, WireError):
+                            raise message
+                        dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
+                    except WireError as exc:
+                        self._counts["malformed"] += 1
+                        self._log_malformed("kvpub fan-in: malformed internal message: %s", exc)
+                        continue
+                    self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
+                    if len(self._outbox) >= _PUBLISH_RUN:
+                        self._publish_outbox()
+            self._publish_outbox()
             self._apply_pending()
 
     def _check_liveness(self, now: float) -> None:
@@ -623,6 +695,8 @@ class FanIn:
                 "batches": self._counter,
                 "buffered": len(self._buffer),
                 "jobs": len(self._jobs),
+                "channel_connections": len(self._packets.connections) if self._packets is not None else None,
+                "channel_refused": self._packets.refused if self._packets is not None else None,
                 "never_seen": [r for r in range(self.dp_size) if r not in self._ranks],
                 "dead": [r for r, s in self._ranks.items() if not s.alive],
                 "ranks": ranks,
@@ -650,4 +724,5 @@ _COUNTERS = (
     "rank_restarts",
     "rank_silences",
     "pub_dropped",
+    "loop_errors",
 )

@@ -31,15 +31,21 @@ gap in this rank's sequence.  A PUSH that would block (fan-in gone, HWM reached)
 dropped and counted the same way.  Each publisher picks a random 64-bit rank epoch at
 start so the fan-in recognises a restarted rank.  When a rank is idle, the sender sends
 a rank heartbeat (empty payload) every ``heartbeat_s`` so the fan-in can report dead ranks.
+On the default single-node channel (``unixpkt://``, :mod:`sglang_kvpub.packet_channel`)
+there is no ZMQ at all: the send is one non-blocking system call, and what the socket
+cannot take waits in the pusher's ordered backlog (bounded by ``hwm``), which the sender
+thread moves on.
 
-Fan-in restarts.  A socket monitor on the PUSH socket reports each completed connection
-handshake with the fan-in's PULL.  The first is the normal start; any later one means a
-new fan-in process (or a broken connection re-made) that never saw the blocks announced
-before it: the publisher then requests a *resync* - a thread-safe flag
-(:meth:`RankPublisher.take_resync_request`, and for the scheduler process
-:func:`take_resync_request`, which the idle-time reconciliation reads), a counter in
-``stats`` and the optional ``on_resync`` callback.  The sender thread reads the monitor
-without blocking after each drain and at least every ``_WATCH_S`` while idle.
+Fan-in restarts.  On the packet channel the pusher itself sees the fan-in's end of file
+and reconnects; a connection that needs a resync (see :mod:`sglang_kvpub.packet_channel`)
+counts in :meth:`PacketPusher.reconnections`.  On ZMQ channels a socket monitor on the
+PUSH socket reports each completed connection handshake with the fan-in's PULL: the first
+is the normal start; any later one means a new fan-in process (or a broken connection
+re-made) that never saw the blocks announced before it.  Either way the publisher then
+requests a *resync* - a thread-safe flag (:meth:`RankPublisher.take_resync_request`, and
+for the scheduler process :func:`take_resync_request`, which the idle-time reconciliation
+reads), a counter in ``stats`` and the optional ``on_resync`` callback.  The sender thread
+checks without blocking after each drain and at least every ``_WATCH_S`` while idle.
 """
 
 from __future__ import annotations
@@ -59,8 +65,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from sglang_kvpub.channel import ChannelPusher
+from sglang_kvpub.channel import PACKET_SCHEME, ChannelPusher
 from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.packet_channel import RETRY_S, PacketPusher
 from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, enrich_batch
 
 __all__ = ["INLINE_MAX_EVENTS", "RankPublisher", "take_resync_request"]
@@ -71,6 +78,7 @@ _Item = tuple[int, Any]  # (rank_seq, batch)
 # A completed ZMTP handshake: the peer is a live ZMQ socket (libzmq >= 4.3), else a TCP/ipc connect.
 _PEER_EVENT = int(getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED))
 _WATCH_S = 1.0  # an idle sender reads the monitor at least this often
+_BACKLOG_S = 0.001  # how often the sender moves a packet channel's backlog on
 # Bigger batches (a reconciliation or resync slice's corrections) go to the sender thread,
 # so a step never encodes more than a step's worth of events inline.
 INLINE_MAX_EVENTS = 64
@@ -171,6 +179,7 @@ class RankPublisher:
         self._closed = threading.Event()  # set by the sender once the socket is closed
         self._abandoned = False  # shutdown() gave up waiting: the sender terms the context
         self._linger_ms = 500
+        self._close_by = 0.0  # shutdown: the packet channel's backlog is moved on until then
         self._next_seq = 0
         self._published = 0
         self._queue_dropped = 0
@@ -186,16 +195,24 @@ class RankPublisher:
         self._encoder = BatchEncoder(config.event_encoding)
         self._foreign_encoder = msgspec.msgpack.Encoder()
         self._decoder = BatchDecoder()
-        self._owns_context = context is None
-        self._context = context or zmq.Context()
-        self._peer = _PeerWatch(self._context)
-        try:
-            # The watch stands in for the context (only ``socket()`` is called): the pusher's
-            # socket is monitored before it connects.  The context stays ours to term.
-            self._pusher = ChannelPusher(channel_endpoint, config.hwm, cast("zmq.Context[Any]", self._peer))
-        except BaseException:
-            self._term_context()
-            raise
+        self._packet: PacketPusher | None = None
+        self._peer: _PeerWatch | None = None
+        self._pusher: ChannelPusher | PacketPusher
+        if channel_endpoint.startswith(PACKET_SCHEME):  # no ZMQ here: see packet_channel.py
+            self._owns_context = False
+            self._context = context
+            self._pusher = self._packet = PacketPusher(channel_endpoint, config.hwm)
+        else:
+            self._owns_context = context is None
+            self._context = context or zmq.Context()
+            self._peer = _PeerWatch(self._context)
+            try:
+                # The watch stands in for the context (only ``socket()`` is called): the pusher's
+                # socket is monitored before it connects.  The context stays ours to term.
+                self._pusher = ChannelPusher(channel_endpoint, config.hwm, cast("zmq.Context[Any]", self._peer))
+            except BaseException:
+                self._term_context()
+                raise
         self._sender = _Sender.of_process()
         self._lock = self._sender.lock  # one lock: publish() callers and the sender
         self._sender.register(self)
@@ -263,6 +280,7 @@ class RankPublisher:
                 return
             self._stopping = True
             self._linger_ms = int(timeout_s * 1000)
+            self._close_by = time.monotonic() + timeout_s
         self._sender.wake.put(None)
         if not self._closed.wait(timeout_s):
             with self._lock:
@@ -276,7 +294,7 @@ class RankPublisher:
 
     def _term_context(self) -> None:
         """Once the sockets are closed; waits up to the linger for pending frames."""
-        if self._owns_context:
+        if self._owns_context and self._context is not None:
             self._context.term()
 
     @property
@@ -304,7 +322,7 @@ class RankPublisher:
             "queue_depth": len(self._queue),
             "rank_seq": self._next_seq - 1,
             "rank_epoch": self.rank_epoch,
-            "peer_connects": self._peer.connects,
+            "peer_connects": self._packet.connects if self._packet is not None else self._peer_connects(),
             "resyncs_requested": self._resyncs,
         }
 
@@ -335,11 +353,50 @@ class RankPublisher:
                 self._sending = False
                 self._next_beat = now + self.config.heartbeat_s
 
+    def _peer_connects(self) -> int:
+        return self._peer.connects if self._peer is not None else 0
+
+    def _reconnections(self) -> int:
+        """Sender thread: fan-in connections since the last call that need a resync."""
+        packet = self._packet
+        if packet is None:
+            assert self._peer is not None
+            return self._peer.reconnections()
+        with self._lock:  # the liveness check uses the socket: own it, or try next time
+            if self._sending or self._stopping:
+                return 0
+            self._sending = True
+        try:
+            packet.service()
+        finally:
+            with self._lock:
+                self._sending = False
+        return packet.reconnections()
+
+    def _service_deadline(self, now: float) -> float:
+        """When the sender next services the packet channel: within a millisecond while it
+        holds a backlog, at the retry interval while it has no connection."""
+        packet = self._packet
+        if packet is None:
+            return now + _WATCH_S
+        if packet.backlog:
+            return now + _BACKLOG_S
+        return now + (RETRY_S if not packet.connected else _WATCH_S)
+
+    def _backlog_left(self, now: float) -> bool:
+        """Under the lock, shutting down: moves the packet channel's backlog on; True while
+        some of it is left and the shutdown timeout has not passed."""
+        packet = self._packet
+        if packet is None or not packet.backlog:
+            return False
+        packet.flush()
+        return bool(packet.backlog) and packet.connected and now < self._close_by
+
     def _watch(self) -> None:
         """Sender thread, outside the lock (``on_resync`` may publish): fan-in reconnections."""
         if self._closed.is_set():
             return
-        count = self._peer.reconnections()
+        count = self._reconnections()
         if not count:
             return
         with self._lock:
@@ -372,7 +429,8 @@ class RankPublisher:
         terms the context unless it has given up waiting."""
         self._queue_dropped += len(self._queue)
         self._queue.clear()
-        self._peer.close(self._pusher.socket)
+        if self._peer is not None and isinstance(self._pusher, ChannelPusher):
+            self._peer.close(self._pusher.socket)
         if self._abandoned:
             self._pusher.close_socket(0)
             self._term_context()
@@ -462,12 +520,15 @@ class _Sender:
             elif publisher._sending:
                 continue  # an inline send owns the socket; it wakes us if anything is left
             elif publisher._stopping:
+                if publisher._backlog_left(now):
+                    deadline = min(deadline, now + _BACKLOG_S)  # not holding the lock meanwhile
+                    continue
                 self._publishers.remove(publisher)
                 publisher._close()
             else:
                 if now >= publisher._next_beat:
                     publisher._beat(now)
-                deadline = min(deadline, publisher._next_beat)
+                deadline = min(deadline, publisher._next_beat, publisher._service_deadline(now))
         return None if busy else deadline
 
 

@@ -1,6 +1,7 @@
 """Fan-in end to end: rank publisher processes -> internal channel -> fan-in process -> plain SUB.
 
-Everything is real: spawned processes, ZMQ on loopback, ipc in a private tmp dir.
+Everything is real: spawned processes, ZMQ on loopback, the internal channel (Unix SEQPACKET,
+the default, and ZMQ ipc) in a private tmp dir.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Cluster:
 def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
     clusters: list[Cluster] = []
 
-    def make(dp_size: int, **overrides: Any) -> Cluster:
+    def make(dp_size: int, channel_kind: str = "unixpkt", **overrides: Any) -> Cluster:
         values: dict[str, Any] = {
             "endpoint": free_tcp_endpoint(),
             "replay_endpoint": free_tcp_endpoint(),
@@ -143,7 +144,8 @@ def cluster_factory(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
             "topic": "kv",
         }
         values.update(overrides)
-        channel = f"ipc://{tmp_path}/ch{len(clusters)}.sock"
+        # unixpkt: the default channel on one node; ipc: ZMQ's, the fallback and an option
+        channel = f"{channel_kind}://{tmp_path}/ch{len(clusters)}.sock"
         cluster = Cluster(PluginConfig(**values), dp_size, channel)
         clusters.append(cluster)
         return cluster
@@ -172,10 +174,14 @@ def wait_for_heartbeat(sub: Sub) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("dp_size", [1, 2, 4, 16])
-def test_every_event_once_in_order_tagged(dp_size: int, cluster_factory: Callable[..., Cluster], ctx: Any) -> None:
+@pytest.mark.parametrize(
+    ("dp_size", "channel_kind"), [(1, "unixpkt"), (2, "unixpkt"), (4, "unixpkt"), (16, "unixpkt"), (16, "ipc")]
+)
+def test_every_event_once_in_order_tagged(
+    dp_size: int, channel_kind: str, cluster_factory: Callable[..., Cluster], ctx: Any
+) -> None:
     count = 30
-    cluster = cluster_factory(dp_size)
+    cluster = cluster_factory(dp_size, channel_kind)
     sub = Sub(ctx, cluster.config.endpoint, b"kv")
     wait_for_heartbeat(sub)  # the subscription is live: nothing after this can be missed
     for rank in range(dp_size):
@@ -373,6 +379,35 @@ def test_malformed_channel_frames_are_counted_and_skipped(ctx: Any) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_a_failing_loop_turn_is_counted_and_the_stream_goes_on(ctx: Any) -> None:
+    channel = free_tcp_endpoint()
+    fanin = _fanin_inprocess(channel)
+    failures: list[int] = []
+    liveness = fanin._check_liveness
+
+    def fails_once(now: float) -> None:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected fault")
+        liveness(now)
+
+    fanin._check_liveness = fails_once  # type: ignore[method-assign]
+    try:
+        sub = Sub(ctx, fanin.config.endpoint)
+        sub.pump_until(lambda: fanin.stats()["loop_errors"] == 1)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(channel)
+        batch = wire.enrich_batch(wire.EventBatch(ts=1.0, events=batch_events(1, 0)), dp_rank=1, block_size=BLOCK_SIZE)
+        push.send_multipart(channel_frames(1, 7, 0, msgspec.msgpack.encode(batch)))
+        sub.pump_until(lambda: len(sub.rank_batches(1)) == 1)
+        check_rank_batch(sub.rank_batches(1)[0], 1, 0)
+        push.close(linger=0)
+    finally:
+        fanin.stop()
+
+
+@pytest.mark.timeout(30)
 def test_bad_replay_requests_do_not_stop_the_router(ctx: Any) -> None:
     fanin = _fanin_inprocess(free_tcp_endpoint(), replay_endpoint=free_tcp_endpoint())
     try:
@@ -417,5 +452,6 @@ def test_default_channel_endpoint_is_private_and_stable(tmp_path: Path, monkeypa
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     first = default_channel_endpoint("tcp://*:5557")
     assert first == default_channel_endpoint("tcp://*:5557") != default_channel_endpoint("tcp://*:5558")
-    directory = Path(first[len("ipc://") :]).parent
+    assert first.startswith("unixpkt://")  # Linux: the Unix SEQPACKET channel
+    directory = Path(first[len("unixpkt://") :]).parent
     assert directory.parent == tmp_path and (directory.stat().st_mode & 0o777) == 0o700

@@ -134,7 +134,7 @@ def make_instance(tmp_path: Path) -> Iterator[Callable[..., Instance]]:
             "heartbeat_s": 0.2,
         }
         values.update(overrides)
-        instance = Instance(PluginConfig(**values), dp_size, f"ipc://{tmp_path}/ch{len(made)}.sock")
+        instance = Instance(PluginConfig(**values), dp_size, f"unixpkt://{tmp_path}/ch{len(made)}.sock")
         made.append(instance)
         instance.start_fanin()
         for rank in range(dp_size):

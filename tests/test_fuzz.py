@@ -8,8 +8,12 @@ serving.  Run the longer by-hand fuzzer with ``scripts/fuzz_decoder.py`` (atheri
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
+import socket
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
@@ -26,10 +30,11 @@ from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import ServiceConfig
 from motor_adapter.stream import StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
-from sglang_kvpub.channel import channel_frames, parse_channel_frames
+from sglang_kvpub.channel import channel_frames, parse_channel_frames, seqpacket_available
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.fanin import FanIn
 from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.packet_channel import PacketPusher, packet_path
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import Server, http
 
@@ -323,7 +328,7 @@ _FANIN: dict[str, Any] = {}
 
 def _fanin_garbage_round(frames_list: list[list[bytes]]) -> None:
     """One fan-in for all examples (built lazily): garbage in, then one good batch must come out."""
-    if not _FANIN:
+    if "push" not in _FANIN:
         ctx: zmq.Context[Any] = zmq.Context()
         channel = free_tcp_endpoint()
         fanin = FanIn(
@@ -348,14 +353,60 @@ def _fanin_garbage_round(frames_list: list[list[bytes]]) -> None:
     assert fanin._thread is not None and fanin._thread.is_alive()
 
 
+_packet = st.tuples(st.sampled_from([b"\x00", b"\x01", b"\x02", b"\x07"]), _frame | st.binary(max_size=300)).map(
+    lambda flag_body: flag_body[0] + flag_body[1]
+)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not seqpacket_available(), reason="no Unix SEQPACKET sockets on this platform")
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(_packet | st.binary(max_size=200), min_size=1, max_size=20))
+def test_fanin_packet_channel_fed_garbage_keeps_running(packets: list[bytes]) -> None:
+    """A local peer writes random packets (valid flags or not, cut messages, empty ones)
+    on the default channel; a rank's good batch must still come out, nothing may crash."""
+    if "packet_fanin" not in _FANIN:
+        directory = tempfile.mkdtemp(prefix="kvpub-fuzz-")
+        channel = f"unixpkt://{directory}/ch.pkt"
+        fanin = FanIn(
+            PluginConfig(endpoint=free_tcp_endpoint(), bind=True, heartbeat_s=0.2), 1, channel_endpoint=channel
+        )
+        fanin.start()
+        _FANIN.update(
+            packet_fanin=fanin,
+            packet_channel=channel,
+            packet_pusher=PacketPusher(channel),
+            packet_seq=0,
+            packet_dir=directory,
+        )
+    fanin, channel, pusher = _FANIN["packet_fanin"], _FANIN["packet_channel"], _FANIN["packet_pusher"]
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    peer.connect(packet_path(channel))
+    for packet in packets:
+        with contextlib.suppress(OSError):  # the fan-in may close on an empty packet (end of file)
+            peer.send(packet)
+    peer.close()
+    seq = _FANIN["packet_seq"] = _FANIN["packet_seq"] + 1
+    good = wire.enrich_batch(wire.EventBatch(ts=1.0, events=[]), dp_rank=0, block_size=BS)
+    assert pusher.send(0, 99, seq, wire.BatchEncoder().encode(good))
+    _deadline(lambda: fanin.stats()["ranks"].get(0, {}).get("last_rank_seq", -1) >= seq, "the good message")
+    stats = fanin.stats()
+    assert stats["loop_errors"] == 0 and fanin._thread is not None and fanin._thread.is_alive()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _close_shared_fanin() -> Iterator[None]:
     yield
-    if _FANIN:
+    if "packet_fanin" in _FANIN:
+        _FANIN["packet_pusher"].close_socket()
+        _FANIN["packet_fanin"].stop()
+        shutil.rmtree(_FANIN["packet_dir"], ignore_errors=True)
+    if "push" in _FANIN:
         _FANIN["push"].close(linger=0)
         _FANIN["fanin"].stop()
         _FANIN["ctx"].destroy(linger=0)
-        _FANIN.clear()
+    _FANIN.clear()
 
 
 # ----------------------------------------------------------------------------- HTTP (integration)

@@ -117,7 +117,7 @@ class Instance:
             replay_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
             heartbeat_s=0.2,
         )
-        channel = f"ipc://{tmp_path}/kvpub-channel"
+        channel = f"unixpkt://{tmp_path}/kvpub-channel"  # the default kind on one node
         self.fanin = FanIn(self.config, DP_SIZE, channel_endpoint=channel)
         self.fanin.start()
         self.ranks = [RankPublisher(self.config, rank, BS, channel) for rank in range(DP_SIZE)]

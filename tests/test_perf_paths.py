@@ -147,10 +147,12 @@ def test_fanin_forwards_tagged_payloads_as_is_and_queues_residency(
     fanin_and_pub: tuple[FanIn, _Published],
 ) -> None:
     fanin, pub = fanin_and_pub
-    first = _payload([_stored(10)], 0)
+    first, second = _payload([_stored(10)], 0), _payload([_stored(11, 10)], 0)
     fanin._forward(0, 7, 0, first, 1.0, 1.0)
-    fanin._forward(0, 7, 1, _payload([_stored(11, 10)], 0), 1.0, 1.0)
-    assert pub.frames[2] == first  # published before any residency work
+    fanin._forward(0, 7, 1, second, 1.0, 1.0)
+    assert pub.frames == [] and fanin._outbox == [first, second]  # a burst is checked first ...
+    fanin._publish_outbox()
+    assert pub.frames[2::3] == [first, second]  # ... then published as is, back to back, in order
     assert 0 not in fanin._residency  # queued, not yet applied
     stats: dict[str, Any] = fanin.stats()  # readers apply the queue first
     assert stats["ranks"][0]["resident"] == {wire.MEDIUM_GPU: 2}
@@ -158,20 +160,25 @@ def test_fanin_forwards_tagged_payloads_as_is_and_queues_residency(
 
 
 def test_fanin_restart_applies_the_old_epoch_before_clearing(fanin_and_pub: tuple[FanIn, _Published]) -> None:
-    fanin, _ = fanin_and_pub
+    fanin, pub = fanin_and_pub
     fanin._forward(1, 7, 0, _payload([_stored(10)], 1), 1.0, 1.0)
     fanin._forward(1, 8, 0, _payload([_stored(20)], 1), 1.0, 1.0)  # new rank epoch
+    fanin._publish_outbox()
     fanin._apply_pending()
     assert fanin._residency[1].hashes() == [20]
+    published = [msgspec.msgpack.decode(p, type=wire.EventBatch).events for p in pub.frames[2::3]]
+    assert [type(events[0]) for events in published] == [wire.BlockStored, wire.AllBlocksCleared, wire.BlockStored]
 
 
 def test_fanin_untagged_and_malformed_payloads_take_the_full_path(fanin_and_pub: tuple[FanIn, _Published]) -> None:
     fanin, pub = fanin_and_pub
     fanin._forward(1, 7, 0, _payload([_stored(10)], None), 1.0, 1.0)
+    fanin._publish_outbox()
     retagged = msgspec.msgpack.decode(pub.frames[-1], type=wire.EventBatch)
     assert retagged.dp_rank == 1
     sent = len(pub.frames)
     fanin._forward(1, 7, 1, b"\xc1 nope", 1.0, 1.0)
+    fanin._publish_outbox()
     assert len(pub.frames) == sent and fanin.stats()["malformed"] == 1
     assert fanin._residency[1].hashes() == [10]
 

@@ -64,9 +64,9 @@ def ctx() -> Iterator[zmq.Context[Any]]:
     context.destroy(linger=0)
 
 
-@pytest.fixture(params=["tcp", "ipc"])
+@pytest.fixture(params=["tcp", "ipc", "unixpkt"])
 def channel(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return free_tcp_endpoint() if request.param == "tcp" else f"ipc://{tmp_path}/channel.sock"
+    return free_tcp_endpoint() if request.param == "tcp" else f"{request.param}://{tmp_path}/channel.sock"
 
 
 # --------------------------------------------------------------------------- (a) detection
