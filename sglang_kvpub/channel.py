@@ -31,13 +31,14 @@ from typing import Any
 
 import zmq
 
-from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.config import PACKET_SCHEME, PluginConfig
 from sglang_kvpub.wire import WireError
 from sglang_kvpub.zmq_io import NOBLOCK, send_frame
 
 __all__ = [
     "MAGIC",
     "ChannelFrame",
+    "channel_prefix",
     "channel_message",
     "parse_channel_message",
     "ChannelPusher",
@@ -52,15 +53,19 @@ __all__ = [
 ]
 
 MAGIC = b"kvpub2"  # kvpub1 was the three-frame form
-PACKET_SCHEME = "unixpkt://"  # the Unix SEQPACKET channel (packet_channel.py); others are ZMQ
 _PREFIX = struct.Struct(">6sIQQ")  # magic, dp_rank, rank_epoch, rank_seq
 PREFIX_BYTES = _PREFIX.size
 MAX_MESSAGE_BYTES = 64 << 20
 ChannelFrame = tuple[int, int, int, bytes]  # (dp_rank, rank_epoch, rank_seq, payload)
 
 
+def channel_prefix(dp_rank: int, rank_epoch: int, rank_seq: int) -> bytes:
+    """What precedes the payload: a sender that writes both parts at once needs no copy."""
+    return _PREFIX.pack(MAGIC, dp_rank, rank_epoch, rank_seq)
+
+
 def channel_message(dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bytes:
-    return _PREFIX.pack(MAGIC, dp_rank, rank_epoch, rank_seq) + payload
+    return channel_prefix(dp_rank, rank_epoch, rank_seq) + payload
 
 
 def parse_channel_message(message: bytes) -> ChannelFrame:
@@ -145,7 +150,7 @@ class ChannelPusher:
 
     def send(self, dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bool:
         try:
-            send_frame(self.socket, _PREFIX.pack(MAGIC, dp_rank, rank_epoch, rank_seq) + payload, NOBLOCK)
+            send_frame(self.socket, channel_message(dp_rank, rank_epoch, rank_seq, payload), NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             return False

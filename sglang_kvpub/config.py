@@ -223,13 +223,14 @@ def _heartbeat(key: str, value: Any) -> None:
 
 
 _UNIX_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+PACKET_SCHEME = "unixpkt://"  # the Unix SEQPACKET internal channel (packet_channel.py); others are ZMQ
 
 
 def _internal_channel(key: str, value: Any) -> None:
     if value is None:
         return
-    if isinstance(value, str) and value.startswith("unixpkt://"):  # the Unix SEQPACKET channel, one node
-        path = value[len("unixpkt://") :]
+    if isinstance(value, str) and value.startswith(PACKET_SCHEME):  # one node
+        path = value[len(PACKET_SCHEME) :]
         if not path:
             raise _bad(key, value, "give a socket path, e.g. 'unixpkt:///run/sglang-kvpub/ch.pkt'")
         if not hasattr(socket, "SOCK_SEQPACKET"):

@@ -504,16 +504,8 @@ class FanIn:
                     message = recv_frame(socket, NOBLOCK)
                 except zmq.Again:
                     break
-                try:
-                    dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
-                except WireError as exc:
-                    self._counts["malformed"] += 1
-                    self._log_malformed("kvpub fan-in: malformed internal frame: %s", exc)
+                if not self._take(message, wall, mono):
                     _discard_rest(socket)  # a foreign multipart message counts once
-                    continue
-                self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
-                if len(self._outbox) >= _PUBLISH_RUN:
-                    self._publish_outbox()
             self._publish_outbox()
             self._apply_pending()
 
@@ -535,19 +527,25 @@ class FanIn:
                 if closed:
                     poller.unregister(fd)
                 for message in messages:
-                    try:
-                        if isinstance(message, WireError):
-                            raise message
-                        dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
-                    except WireError as exc:
-                        self._counts["malformed"] += 1
-                        self._log_malformed("kvpub fan-in: malformed internal message: %s", exc)
-                        continue
-                    self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
-                    if len(self._outbox) >= _PUBLISH_RUN:
-                        self._publish_outbox()
+                    self._take(message, wall, mono)
             self._publish_outbox()
             self._apply_pending()
+
+    def _take(self, message: bytes | WireError, wall: float, mono: float) -> bool:
+        """Under the lock: one channel message (or the error of a bad packet) into the
+        burst; a long burst goes out in runs of ``_PUBLISH_RUN``.  False when malformed."""
+        try:
+            if isinstance(message, WireError):
+                raise message
+            dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
+        except WireError as exc:
+            self._counts["malformed"] += 1
+            self._log_malformed("kvpub fan-in: malformed internal message: %s", exc)
+            return False
+        self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
+        if len(self._outbox) >= _PUBLISH_RUN:
+            self._publish_outbox()
+        return True
 
     def _check_liveness(self, now: float) -> None:
         with self._lock:

@@ -41,20 +41,17 @@ import socket
 import time
 from collections.abc import Iterator
 
-from sglang_kvpub.channel import MAX_MESSAGE_BYTES, PACKET_SCHEME, channel_message, seqpacket_available
+from sglang_kvpub.channel import MAX_MESSAGE_BYTES, PACKET_SCHEME, channel_prefix
 from sglang_kvpub.wire import WireError
 
 __all__ = [
-    "SCHEME",
     "PACKET_BYTES",
     "RETRY_S",
     "PacketPusher",
     "PacketListener",
     "packet_path",
-    "seqpacket_available",
 ]
 
-SCHEME = PACKET_SCHEME
 PACKET_BYTES = 60 << 10  # under the default socket buffer (208 KiB), with room for the flag byte
 RETRY_S = 0.1
 INLINE_FLUSH_PACKETS = 8  # backlog packets a send moves on before its own (scheduler thread)
@@ -65,9 +62,9 @@ Packet = tuple[bytes, bytes | memoryview]  # (flag, body)
 
 
 def packet_path(endpoint: str) -> str:
-    if not endpoint.startswith(SCHEME) or len(endpoint) == len(SCHEME):
-        raise ValueError(f"not a {SCHEME}<path> endpoint: {endpoint!r}")
-    return endpoint[len(SCHEME) :]
+    if not endpoint.startswith(PACKET_SCHEME) or len(endpoint) == len(PACKET_SCHEME):
+        raise ValueError(f"not a {PACKET_SCHEME}<path> endpoint: {endpoint!r}")
+    return endpoint[len(PACKET_SCHEME) :]
 
 
 def message_packets(message: bytes) -> list[Packet]:
@@ -136,13 +133,13 @@ class PacketPusher:
 
     def send(self, dp_rank: int, rank_epoch: int, rank_seq: int, payload: bytes) -> bool:
         """Sends or queues one message; False when it was dropped (backlog full)."""
-        message = channel_message(dp_rank, rank_epoch, rank_seq, payload)
+        prefix = channel_prefix(dp_rank, rank_epoch, rank_seq)
         sock = self._sock
-        if sock is not None and not self._backlog and len(message) <= PACKET_BYTES:
-            try:  # the fast path: one system call
-                sock.sendmsg([WHOLE, message], (), _SEND_FLAGS)
+        if sock is not None and not self._backlog and len(prefix) + len(payload) <= PACKET_BYTES:
+            try:  # the fast path: one system call, the payload not copied
+                sock.sendmsg([WHOLE, prefix, payload], (), _SEND_FLAGS)
             except BlockingIOError:
-                self._backlog.append((WHOLE, message))
+                self._backlog.append((WHOLE, prefix + payload))
                 return True
             except OSError:  # EPIPE, ECONNRESET: the fan-in went away
                 self._reset()
@@ -150,7 +147,7 @@ class PacketPusher:
                 return False
             self.sent += 1
             return True
-        packets = message_packets(message)
+        packets = message_packets(prefix + payload)
         if len(self._backlog) + len(packets) > self.limit and self._backlog:
             self.dropped += 1
             return False

@@ -5,8 +5,9 @@ One per scheduler rank process, a drop-in for SGLang's publisher interface
 
 With ``rank_send = "inline"`` (default) and nothing queued, ``publish`` itself stamps the
 batch with the next rank sequence number, enriches (dp_rank, medium, block_size, hash
-form), encodes and PUSHes it with ``NOBLOCK`` - a copy into ZMQ's pipe, about 10 us for
-a scheduler step's batch.  No thread hand-off: a sender thread would have to win the GIL
+form), encodes and sends it without blocking - one system call on the default packet
+channel, a copy into ZMQ's pipe on a ZMQ channel; tens of microseconds for a scheduler
+step's batch.  No thread hand-off: a sender thread would have to win the GIL
 from the scheduler's Python loop (up to the 5 ms switch interval) and costs a thread
 wake-up per batch.  A batch of more than ``INLINE_MAX_EVENTS`` events (a reconciliation
 or resync slice) is queued for the sender thread instead, as is every batch while the
@@ -322,7 +323,7 @@ class RankPublisher:
             "queue_depth": len(self._queue),
             "rank_seq": self._next_seq - 1,
             "rank_epoch": self.rank_epoch,
-            "peer_connects": self._packet.connects if self._packet is not None else self._peer_connects(),
+            "peer_connects": self._connects(),
             "resyncs_requested": self._resyncs,
         }
 
@@ -353,7 +354,10 @@ class RankPublisher:
                 self._sending = False
                 self._next_beat = now + self.config.heartbeat_s
 
-    def _peer_connects(self) -> int:
+    def _connects(self) -> int:
+        """Completed connections to a fan-in, whichever channel kind."""
+        if self._packet is not None:
+            return self._packet.connects
         return self._peer.connects if self._peer is not None else 0
 
     def _reconnections(self) -> int:

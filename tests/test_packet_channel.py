@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,13 +72,6 @@ def read_all(
                     rank, _epoch, seq, payload = parse_channel_message(item)
                     out.append((rank, seq, payload))
     return out
-
-
-def wait_for(done: Callable[[], bool], step: Callable[[], Any], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not done():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        step()
 
 
 def fill_socket(pusher: PacketPusher, payload: bytes) -> int:
