@@ -194,6 +194,7 @@ class StreamSubscriber:
         self._snapshot_ok: bool | None = None  # None: not known yet
         self._gap_key: tuple[int, int] | None = None
         self._restarted_by: _Item | None = None
+        self._epoch: int | None = None  # epoch of the last applied seq; None after a counted restart
         self._replayed: collections.OrderedDict[int, int] = collections.OrderedDict()  # seq -> payload digest
         self._warned_no_replay = False
         # liveness (thread-owned)
@@ -424,6 +425,9 @@ class StreamSubscriber:
 
     def _apply(self, seq: int, batch: wire.EventBatch | None) -> None:
         self._last = seq
+        epoch = wire.seq_epoch(seq)
+        if epoch != self._epoch:
+            self._new_epoch(epoch)
         self._c.batches += 1
         if batch is None or not batch.events:
             return
@@ -453,12 +457,23 @@ class StreamSubscriber:
             return
         self._restarted_by = item
         self._c.restarts += 1
+        self._epoch = None  # counted here: the rebuilt state's epoch is not a second restart
         log.warning("stream %s: publisher restarted (%s); rebuilding %s", self.endpoint, reason, self._scope())
         self._clear_scope()
         self._live_high = None
         self._gap_key = None
         self._pending.appendleft(item)
         self._full_sync(wire.seq_epoch(item.seq))
+
+    def _new_epoch(self, epoch: int) -> None:
+        # A reconnect or gap repair can land on a restarted fan-in's snapshot before any live
+        # batch of the new epoch is seen: that is a restart too.
+        if self._epoch is not None:
+            self._c.restarts += 1
+            log.warning(
+                "stream %s: publisher restarted (epoch %d -> %d, found by a resync)", self.endpoint, self._epoch, epoch
+            )
+        self._epoch = epoch
 
     def _gap(self, item: _Item) -> None:
         assert self._last is not None

@@ -185,6 +185,10 @@ def test_big_batches_go_to_the_sender_thread_in_order(pull: tuple[str, zmq.Socke
         received = [recv(sock) for _ in range(2)]
         assert [frame[2] for frame in received] == [0, 1]
         assert len(wire.BatchDecoder().decode(received[0][3]).events) == INLINE_MAX_EVENTS + 1
+        # the sender thread counts a send after the system call returns: the peer may read it first
+        deadline = time.monotonic() + 10.0
+        while publisher.stats["sent"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
         assert publisher.stats["sent"] == 2 and publisher.stats["sent_inline"] <= 1
     finally:
         publisher.shutdown()

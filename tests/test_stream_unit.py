@@ -115,3 +115,26 @@ def test_unfillable_gap_clears_scope_and_continues(monkeypatch: pytest.MonkeyPat
     assert sub.health().gaps == 1
     assert sub.health().last_seq == 20
     sub.stop()
+
+
+def test_a_new_epoch_found_by_a_resync_counts_as_one_restart(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reconnect's snapshot can come from a restarted fan-in before any of its live batches.
+    index = PrefixIndex(BLOCK_SIZE)
+    sub = _sub(index)
+    first, first_digest = _encoded([_stored(1)])
+    sub._last = wire.make_seq(3, 0) - 1
+    sub._enqueue(stream._Item(wire.make_seq(3, 0), first, first_digest))
+    sub._drain()
+    snap, digest = _encoded([wire.AllBlocksCleared(), _stored(7)])
+    monkeypatch.setattr(
+        sub, "_fetch", lambda start, *, snapshot: stream._Fetch(True, [stream._Item(wire.make_seq(4, 2), snap, digest)])
+    )
+    assert sub._full_sync(None)
+    health = sub.health()
+    assert (health.restarts, health.epoch) == (1, 4)
+    assert index.resident("inst", 0, GPU) == {7}
+    later, later_digest = _encoded([_stored(8)])
+    sub._enqueue(stream._Item(wire.make_seq(4, 3), later, later_digest))
+    sub._drain()
+    assert sub.health().restarts == 1  # the epoch's live batches are no second restart
+    sub.stop()
