@@ -33,6 +33,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ is a folder, the repository root holds it
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import TARGETS  # noqa: E402
+
 TRACES = ROOT.parent / "shared" / "data" / "mooncake"
 
 
@@ -210,57 +215,6 @@ def table(records: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """One issue target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
-
-    bench: str
-    figure: str
-    op: str  # ">=" or "<="
-    limit: float | str  # a number, or another figure of the same record (with ``factor``/``offset``)
-    factor: float = 1.0
-    offset: float = 0.0
-    where: tuple[tuple[str, Any], ...] = ()
-
-    def describe(self) -> str:
-        if isinstance(self.limit, str):
-            bound = f"{self.factor:g} x {self.limit}" + (f" + {self.offset:g}" if self.offset else "")
-        else:
-            bound = f"{self.limit:g}"
-        return f"{self.op} {bound}"
-
-    def check(self, record: dict[str, Any]) -> tuple[Any, bool | None]:
-        value = record.get(self.figure)
-        bound = record.get(self.limit) if isinstance(self.limit, str) else self.limit
-        if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
-            return value, None
-        bound = bound * self.factor + self.offset
-        return value, (value >= bound if self.op == ">=" else value <= bound)
-
-
-# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10).
-TARGETS: tuple[Target, ...] = (
-    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
-    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "array"),)),
-    Target("fanin", "added_latency_p99_ms", "<=", 1.0),
-    Target("fanin", "throughput_ratio_vs_direct", ">=", 0.8),
-    Target("residency", "step_overhead_us_median", "<=", 20.0),
-    Target("residency", "reconcile_slice_ms_max", "<=", 1.0),
-    Target("index", "ingest_blocks_per_s", ">=", 300_000),
-    Target("index", "query_p99_us", "<=", 500.0),
-    Target("index", "bytes_per_entry", "<=", 200.0),
-    Target("service", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
-    Target("dispatch", "decision_us_p50", "<=", 50.0),
-    Target(
-        "routing",
-        "hit_ratio_vs_oracle",
-        ">=",
-        0.95,
-        where=(("policy", "fold_pinned"), ("trace", "conversation_trace.jsonl")),
-    ),
-)
-
-
 def target_rows(report: dict[str, Any]) -> list[str]:
     """A markdown table: every target with the measured value and whether it is met."""
     lines = ["| bench | figure | measured | target | met |", "|---|---|---|---|---|"]
@@ -268,9 +222,8 @@ def target_rows(report: dict[str, Any]) -> list[str]:
         records = [
             record
             for bench in report["benches"]
-            if bench["name"] == target.bench
             for record in bench["records"]
-            if all(record.get(key) == value for key, value in target.where)
+            if target.applies(bench["name"], record)
         ]
         label = target.figure + "".join(f" ({value})" for _, value in target.where)
         for record in records[:1]:

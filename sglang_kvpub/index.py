@@ -221,6 +221,7 @@ class PrefixIndex:
         self._by_wid: list[_Worker | None] = []
         self._free_wids: list[int] = []
         self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
+        self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -269,6 +270,7 @@ class PrefixIndex:
                     self._clear_tier(worker, tier)
                 self._by_wid[worker.wid] = None
                 self._inst_masks.pop(instance, None)
+                self._allowed = ((), 0)
                 heapq.heappush(self._free_wids, worker.wid)
             self._size_logged.discard(instance)
 
@@ -295,6 +297,68 @@ class PrefixIndex:
             if self.capacity_blocks is not None and depth:
                 self._touch(keys[:depth])
             return self._resolve(records)
+
+    def deepest_npu(self, keys: Sequence[int], instances: Collection[str]) -> dict[str, tuple[int, TierHit]] | None:
+        """``instance -> (dp_rank, hit)``: per instance of ``instances``, its rank holding the
+        longest prefix of ``keys`` (the lowest rank among equals), for instances holding
+        block 0.  That is the fold of :meth:`query_keys` under any non-negative tier weights
+        when only the NPU tier holds blocks; ``None`` when a CPU or disk tier holds any (then
+        ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits."""
+        with self._lock:
+            if self._masks[1] or self._masks[2]:
+                return None
+            self._queries += 1
+            if not keys:
+                return {}
+            allowed = self._instance_mask(instances)
+            get = self._masks[0].get
+            holders = get(keys[0], 0)
+            held = allowed & (holders if holders >= 0 else 1 << ~holders)
+            if not held:
+                return {}
+            leaves: list[tuple[int, int]] = []  # (position, workers whose prefix ends there)
+            position = 1
+            for key in islice(keys, 1, None):
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    leaves.append((position, held ^ kept))
+                    if not kept:
+                        break
+                    held = kept
+                position += 1
+            else:
+                leaves.append((position, held))
+            if self.capacity_blocks is not None:
+                self._touch(keys[:position])
+            return self._deepest(leaves)
+
+    def _deepest(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+        """Per instance its deepest leaver (lowest rank among equals): deepest first, and an
+        instance once found masks all its workers out of the shallower records."""
+        best: dict[str, tuple[int, TierHit]] = {}
+        by_wid = self._by_wid
+        inst_masks = self._inst_masks
+        done = 0
+        for position, left in reversed(leaves):
+            mask = left & ~done
+            if not mask:
+                continue
+            hit = self._hit(position, 0, 0)
+            found: dict[str, int] = {}
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                worker = by_wid[low.bit_length() - 1]
+                if worker is None:
+                    continue
+                rank = found.get(worker.instance)
+                if rank is None or worker.dp_rank < rank:
+                    found[worker.instance] = worker.dp_rank
+            for instance, rank in found.items():
+                best[instance] = (rank, hit)
+                done |= inst_masks.get(instance, 0)
+        return best
 
     def longest_prefixes(self, instance: str, keys: Iterable[int]) -> dict[int, tuple[int, int, int]]:
         """``dp_rank -> (npu, cpu, disk)`` blocks for every rank of ``instance`` holding at
@@ -371,6 +435,7 @@ class PrefixIndex:
                 self._by_wid.append(None)
             worker = _Worker(wid, instance, dp_rank)
             self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
+            self._allowed = ((), 0)
             self._by_wid[wid] = worker
             self._workers[(instance, dp_rank)] = worker
         return worker
@@ -569,9 +634,14 @@ class PrefixIndex:
     # ------------------------------------------------------------------ query walk
 
     def _instance_mask(self, instances: Collection[str]) -> int:
+        asked, cached = self._allowed
+        if asked is instances:  # the router asks with the same (immutable) tuple until it changes
+            return cached
         mask = 0
         for inst in set(instances):
             mask |= self._inst_masks.get(inst, 0)
+        if type(instances) is tuple:
+            self._allowed = (instances, mask)
         return mask
 
     def _walk(self, keys: Iterable[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
