@@ -48,7 +48,16 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
-from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
+from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chaining
+    BASE_SEED,
+    _pack_u64,
+    _xxh3,
+    chain_hashes,
+    chained_block_keys,
+    local_block_hashes,
+    lora_seed,
+    sequence_keys,
+)
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
@@ -69,6 +78,7 @@ TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
 TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
 _U64 = (1 << 64) - 1
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
+_FIRST_CHUNK_BLOCKS = 16  # lazy hashing: a shallow hit hashes little, a deep one ~once
 
 # Names seen from SGLang, vLLM, LMCache and Motor's conductor configuration.
 _MEDIUM_TIERS = {
@@ -195,6 +205,17 @@ def _recorded(keys: Iterable[int], into: list[int]) -> Iterator[int]:
         yield key
 
 
+def _key_chunks(raw: memoryview, block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
+    """A prompt's chained keys in growing chunks (16 blocks, then doubling), hashed lazily."""
+    key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
+    while start < blocks:
+        end = min(end, blocks)
+        keys = chained_block_keys(raw, block_size, seed, key, start, end)
+        key = keys[-1]
+        yield keys
+        start, end = end, 2 * end
+
+
 def _bits(mask: int) -> Iterator[int]:
     """Positions of the set bits of ``mask``, lowest first."""
     while mask:
@@ -294,7 +315,7 @@ class PrefixIndex:
             if allowed == 0:
                 return {}
             records, depth = self._walk(keys, allowed)
-            if self.capacity_blocks is not None and depth:
+            if depth and self._refresh():
                 self._touch(keys[:depth])
             return self._resolve(records)
 
@@ -329,7 +350,7 @@ class PrefixIndex:
                 position += 1
             else:
                 leaves.append((position, held))
-            if self.capacity_blocks is not None:
+            if self._refresh():
                 self._touch(keys[:position])
             return self._deepest(leaves)
 
@@ -368,21 +389,70 @@ class PrefixIndex:
         ``keys`` may be a lazy iterator (e.g. chaining ``hashing.chain_next`` as it goes):
         it is consumed under the index lock, and only up to the first key no rank of the
         instance holds in any tier - the keys after it cannot change the answer."""
+        return self.longest_prefixes_chunked(instance, ((key,) for key in keys))
+
+    def longest_prefixes_u32(
+        self, instance: str, raw: memoryview, blocks: int, seed: int = BASE_SEED
+    ) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes` of a prompt given as u32 bytes (``hashing.tokens_u32``,
+        ``blocks`` full blocks, hashed with ``seed``): each block is hashed and chained
+        (:func:`hashing.sequence_keys`) as the walk reaches it, so the hashing stops at the
+        first block no rank of ``instance`` holds.  The dispatcher's hot path: hashing and
+        walk in one loop while only NPU holds blocks."""
+        with self._lock:
+            if not (self._masks[1] or self._masks[2]):
+                return self._walk_u32(instance, raw, blocks, seed)
+        return self.longest_prefixes_chunked(instance, _key_chunks(raw, self.block_size, seed, blocks))
+
+    def _walk_u32(self, instance: str, raw: memoryview, blocks: int, seed: int) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes_u32` over the NPU tier alone (under the lock)."""
+        self._queries += 1
+        held = self._inst_masks.get(instance, 0)
+        out: dict[int, tuple[int, int, int]] = {}
+        if not held:
+            return out
+        get = self._masks[0].get
+        step = self.block_size * 4
+        key = seed
+        position = 0
+        for start in range(0, blocks * step, step):
+            key = _xxh3(_pack_u64(_xxh3(raw[start : start + step], seed)), key)  # = hashing.sequence_keys
+            holders = get(key, 0)
+            kept = held & (holders if holders >= 0 else 1 << ~holders)
+            if kept != held:
+                if position:
+                    self._emit_npu(out, held ^ kept, position)
+                if not kept:
+                    break
+                held = kept
+            position += 1
+        else:
+            if position:
+                self._emit_npu(out, held, position)
+        if position and self._refresh():
+            self._touch(chained_block_keys(raw, self.block_size, seed, seed, 0, position))
+        return out
+
+    def longest_prefixes_chunked(
+        self, instance: str, chunks: Iterable[Sequence[int]]
+    ) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes` over consecutive chunks of the keys (a lazy iterator of
+        lists: the dispatcher hashes a chunk at a time); no chunk is pulled after the one
+        holding the first key no rank of ``instance`` holds."""
         with self._lock:
             self._queries += 1
             allowed = self._inst_masks.get(instance, 0)
             if not allowed:
                 return {}
-            walked: list[int] | None = None if self.capacity_blocks is None else []
             if self._masks[1] or self._masks[2]:
                 pulled: list[int] = []
-                records, depth = self._walk(_recorded(keys, pulled), allowed)
+                records, depth = self._walk(_recorded(chain.from_iterable(chunks), pulled), allowed)
                 out = self._resolve_ranks(records)
-                if walked is not None:
-                    walked = pulled[:depth]
+                walked = pulled[:depth]
             else:
-                out = self._walk_npu(keys, allowed, walked)
-            if walked:
+                out, seen, depth = self._walk_npu(chunks, allowed)
+                walked = list(islice(chain.from_iterable(seen), depth)) if depth and self._refresh() else []
+            if walked and self._refresh():
                 self._touch(walked)
             return out
 
@@ -623,6 +693,12 @@ class PrefixIndex:
         self._entries[tier] -= dropped
         self._evicted += dropped
 
+    def _refresh(self) -> bool:
+        """Whether a query refreshes its keys' recency: once the index holds over half its
+        capacity.  Below that no eviction is near, and the touch costs more than the walk."""
+        capacity = self.capacity_blocks
+        return capacity is not None and 2 * sum(self._entries) > capacity
+
     def _touch(self, keys: Sequence[int]) -> None:
         for masks in self._masks:
             if masks:
@@ -683,33 +759,32 @@ class PrefixIndex:
         records.append((end, in_npu, in_npu | in_cpu, in_npu | in_cpu | in_disk))
         return records, end
 
-    def _walk_npu(self, keys: Iterable[int], allowed: int, walked: list[int] | None) -> dict[int, tuple[int, int, int]]:
+    def _walk_npu(
+        self, chunks: Iterable[Sequence[int]], allowed: int
+    ) -> tuple[dict[int, tuple[int, int, int]], list[Sequence[int]], int]:
         """:meth:`_walk` + :meth:`_resolve_ranks` when no tier but NPU holds anything: one
-        mask per position, a rank's hit ends where it leaves the mask."""
+        mask per position, a rank's hit ends where it leaves the mask.  Also returns the
+        chunks pulled and how many leading keys some rank matched (for the recency touch)."""
         get = self._masks[0].get
         out: dict[int, tuple[int, int, int]] = {}
-        rest = iter(keys)
-        first = next(rest, None)
-        holders = 0 if first is None else get(first, 0)
-        held = allowed & (holders if holders >= 0 else 1 << ~holders)
-        if not held:
-            return out
-        if walked is not None:
-            walked.append(first)  # type: ignore[arg-type]  # held implies first is a key
-        position = 1
-        for key in rest:
-            holders = get(key, 0)
-            kept = held & (holders if holders >= 0 else 1 << ~holders)
-            if kept != held:
-                self._emit_npu(out, held ^ kept, position)
-                if not kept:
-                    return out
-                held = kept
-            if walked is not None:
-                walked.append(key)
-            position += 1
-        self._emit_npu(out, held, position)
-        return out
+        seen: list[Sequence[int]] = []
+        held = allowed
+        position = 0
+        for chunk in chunks:
+            seen.append(chunk)
+            for key in chunk:
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    if position:
+                        self._emit_npu(out, held ^ kept, position)
+                    if not kept:
+                        return out, seen, position
+                    held = kept
+                position += 1
+        if position:
+            self._emit_npu(out, held, position)
+        return out, seen, position
 
     def _emit_npu(self, out: dict[int, tuple[int, int, int]], mask: int, position: int) -> None:
         hit = (position, 0, 0)
