@@ -11,12 +11,14 @@ is an opaque id, kept per worker ``(instance, dp_rank)`` and per tier only to re
 ``parent_block_hash`` and removals.  Engine hashes are normalised to u64, so an engine
 that sends i64 and one that sends u64 forms of the same value are the same block.
 
-Layout.  Workers get small integer ids (recycled by :meth:`PrefixIndex.clear_instance`,
-lowest first, to keep masks short).  Per tier, one dict maps a key to the workers holding
-it: ``~wid`` (a negative int) for a single holder - most blocks have one, and a small int
-costs far less than a wide bitmask - else an int bitmask of two or more.  Per worker and
-tier, one dict maps engine hash -> key.  A query walks the prompt's keys once, ANDing
-masks, and only touches individual workers when they leave a tier phase.
+Layout.  Workers get small integer ids in pages of 8 per instance (one byte of a mask
+belongs to one instance, so a query's hits are emitted a byte at a time), recycled by
+:meth:`PrefixIndex.clear_instance`, lowest page first, to keep masks short.  Per tier,
+one dict maps a key to the workers holding it: ``~wid`` (a negative int) for a single
+holder - most blocks have one, and a small int costs far less than a wide bitmask - else
+an int bitmask of two or more.  Per worker and tier, one dict maps engine hash -> key.
+A query walks the prompt's keys once, ANDing masks, and only touches individual workers
+when they leave a tier phase.
 
 Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
 CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
@@ -33,8 +35,9 @@ their ancestors.  A child whose ancestor was evicted first can remain indexed, b
 never be a hit: a query walks from block 0 and stops at the first missing key; the child
 ages out in turn.
 
-Threads.  One lock, held for a whole batch or one query walk (hashing of the query's
-tokens happens outside it).  Any number of writer threads (one per stream) and reader
+Threads.  One lock, held for a whole batch or one query walk (a query of token ids
+hashes them under it, a chunk at a time as the walk reaches them, so hashing stops at the
+first block no worker holds).  Any number of writer threads (one per stream) and reader
 threads may call in; a query sees each batch either entirely or not at all.
 """
 
@@ -52,11 +55,10 @@ from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chain
     BASE_SEED,
     _pack_u64,
     _xxh3,
-    chain_hashes,
     chained_block_keys,
-    local_block_hashes,
     lora_seed,
     sequence_keys,
+    tokens_u32,
 )
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
@@ -78,7 +80,8 @@ TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
 TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
 _U64 = (1 << 64) - 1
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
-_FIRST_CHUNK_BLOCKS = 16  # lazy hashing: a shallow hit hashes little, a deep one ~once
+_FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
+_PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
 
 # Names seen from SGLang, vLLM, LMCache and Motor's conductor configuration.
 _MEDIUM_TIERS = {
@@ -205,6 +208,22 @@ def _recorded(keys: Iterable[int], into: list[int]) -> Iterator[int]:
         yield key
 
 
+def _token_key_chunks(tokens: Sequence[int], block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
+    """:func:`_key_chunks` of token ids: a list is packed a chunk at a time, a buffer at once
+    (a 4-byte one without copying)."""
+    if type(tokens) is not list:
+        yield from _key_chunks(memoryview(tokens_u32(tokens, blocks * block_size)).cast("B"), block_size, seed, blocks)
+        return
+    key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
+    while start < blocks:
+        end = min(end, blocks)
+        raw = tokens_u32(tokens[start * block_size : end * block_size])
+        keys = chained_block_keys(raw, block_size, seed, key, 0, end - start)
+        key = keys[-1]
+        yield keys
+        start, end = end, 2 * end
+
+
 def _key_chunks(raw: memoryview, block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
     """A prompt's chained keys in growing chunks (16 blocks, then doubling), hashed lazily."""
     key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
@@ -214,6 +233,9 @@ def _key_chunks(raw: memoryview, block_size: int, seed: int, blocks: int) -> Ite
         key = keys[-1]
         yield keys
         start, end = end, 2 * end
+
+
+_BYTE_BITS = tuple(tuple(bit for bit in range(8) if byte >> bit & 1) for byte in range(256))
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -240,7 +262,10 @@ class PrefixIndex:
         self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> holders (see _mask)
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._by_wid: list[_Worker | None] = []
-        self._free_wids: list[int] = []
+        self._rank_of: list[int] = []  # wid -> dp_rank (hot emission path)
+        self._pages: list[str] = []  # wid // 8 -> the instance owning those 8 worker ids ("": free)
+        self._free_pages: list[int] = []  # heap: lowest first, to keep masks short
+        self._inst_pages: dict[str, list[int]] = {}
         self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
         self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
         self._entries = [0, 0, 0]
@@ -290,9 +315,12 @@ class PrefixIndex:
                 for tier in range(3):
                     self._clear_tier(worker, tier)
                 self._by_wid[worker.wid] = None
-                self._inst_masks.pop(instance, None)
-                self._allowed = ((), 0)
-                heapq.heappush(self._free_wids, worker.wid)
+                self._rank_of[worker.wid] = -1
+            self._inst_masks.pop(instance, None)
+            self._allowed = ((), 0)
+            for page in self._inst_pages.pop(instance, []):
+                self._pages[page] = ""
+                heapq.heappush(self._free_pages, page)
             self._size_logged.discard(instance)
 
     # ------------------------------------------------------------------ readers
@@ -300,7 +328,20 @@ class PrefixIndex:
     def query(
         self, token_ids: Sequence[int], lora_name: str | None = None, instances: Collection[str] | None = None
     ) -> dict[str, dict[int, TierHit]]:
-        """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0."""
+        """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0.
+
+        While only the NPU tier holds blocks, the prompt is hashed a chunk at a time as the
+        walk reaches it: hashing stops at the first block no worker holds."""
+        blocks = len(token_ids) // self.block_size
+        if blocks:
+            seed = lora_seed(lora_name) if lora_name else BASE_SEED
+            with self._lock:
+                if not (self._masks[1] or self._masks[2]):
+                    self._queries += 1
+                    allowed = None if instances is None else self._instance_mask(instances)
+                    if allowed == 0:
+                        return {}
+                    return self._query_npu(_token_key_chunks(token_ids, self.block_size, seed, blocks), allowed)
         return self.query_keys(sequence_keys(token_ids, self.block_size, lora_name), instances)
 
     def query_keys(
@@ -314,6 +355,8 @@ class PrefixIndex:
             allowed = None if instances is None else self._instance_mask(instances)
             if allowed == 0:
                 return {}
+            if not (self._masks[1] or self._masks[2]):
+                return self._query_npu((keys,), allowed)
             records, depth = self._walk(keys, allowed)
             if depth and self._refresh():
                 self._touch(keys[:depth])
@@ -353,6 +396,54 @@ class PrefixIndex:
             if self._refresh():
                 self._touch(keys[:position])
             return self._deepest(leaves)
+
+    def _query_npu(self, chunks: Iterable[Sequence[int]], allowed: int | None) -> dict[str, dict[int, TierHit]]:
+        """:meth:`query_keys` while only the NPU tier holds blocks (under the lock), over
+        consecutive chunks of the keys (pulled lazily): one mask per position; a worker's hit
+        is the position where it leaves the mask."""
+        get = self._masks[0].get
+        held = allowed if allowed is not None else (1 << len(self._by_wid)) - 1
+        out: dict[str, dict[int, TierHit]] = {}
+        seen: list[Sequence[int]] = []
+        position = 0
+        for chunk in chunks:
+            seen.append(chunk)
+            for key in chunk:
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    if position:
+                        self._emit_hits(out, held ^ kept, position)
+                    if not kept:
+                        break
+                    held = kept
+                position += 1
+            else:
+                continue
+            break
+        else:
+            if position:
+                self._emit_hits(out, held, position)
+        if position and self._refresh():
+            self._touch(list(islice(chain.from_iterable(seen), position)))
+        return out
+
+    def _emit_hits(self, out: dict[str, dict[int, TierHit]], mask: int, position: int) -> None:
+        """Workers of ``mask`` hold ``position`` blocks.  A mask byte is one page of one
+        instance's worker ids, so the hits go in a byte (a dict comprehension) at a time."""
+        hit = self._hit(position, 0, 0)
+        rank_of = self._rank_of
+        pages = self._pages
+        for page, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) // 8, "little")):
+            if byte:
+                base = page * _PAGE
+                fresh = {rank_of[base + bit]: hit for bit in _BYTE_BITS[byte]}
+                instance = pages[page]
+                ranks = out.get(instance)
+                if ranks is None:
+                    out[instance] = fresh
+                else:
+                    ranks.update(fresh)
 
     def _deepest(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
         """Per instance its deepest leaver (lowest rank among equals): deepest first, and an
@@ -498,17 +589,34 @@ class PrefixIndex:
     def _worker(self, instance: str, dp_rank: int) -> _Worker:
         worker = self._workers.get((instance, dp_rank))
         if worker is None:
-            if self._free_wids:
-                wid = heapq.heappop(self._free_wids)
-            else:
-                wid = len(self._by_wid)
-                self._by_wid.append(None)
+            wid = self._free_wid(instance)
             worker = _Worker(wid, instance, dp_rank)
             self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
             self._allowed = ((), 0)
             self._by_wid[wid] = worker
+            self._rank_of[wid] = dp_rank
             self._workers[(instance, dp_rank)] = worker
         return worker
+
+    def _free_wid(self, instance: str) -> int:
+        """A free worker id in a page (8 ids, one byte of a mask) of ``instance``, taking a new
+        page when its pages are full: a mask byte then belongs to one instance (see
+        :meth:`_emit_hits`)."""
+        pages = self._inst_pages.setdefault(instance, [])
+        for page in pages:
+            for wid in range(page * _PAGE, page * _PAGE + _PAGE):
+                if self._by_wid[wid] is None:
+                    return wid
+        if self._free_pages:
+            page = heapq.heappop(self._free_pages)
+        else:
+            page = len(self._pages)
+            self._pages.append("")
+            self._by_wid.extend([None] * _PAGE)
+            self._rank_of.extend([-1] * _PAGE)
+        self._pages[page] = instance
+        pages.append(page)
+        return page * _PAGE
 
     def _apply(self, worker: _Worker, event: Event, result: ApplyResult) -> None:
         if type(event) is BlockStored:
@@ -556,7 +664,8 @@ class PrefixIndex:
                 self._orphan(worker, event, result)
                 return
             parent_key, parent_tier = found
-        keys = chain_hashes(local_block_hashes(event.token_ids, self.block_size, seed), parent_key)
+        count = len(event.block_hashes)
+        keys = chained_block_keys(tokens_u32(event.token_ids), self.block_size, seed, parent_key, 0, count)
         tier = self._tier(event.medium)
         mapping = worker.maps[tier]
         masks = self._masks[tier]
@@ -564,6 +673,10 @@ class PrefixIndex:
         bit = worker.bit
         single = worker.single
         lru = self.capacity_blocks is not None
+        if not lru and self._store_new(worker, tier, event.block_hashes, keys):
+            self._entries[tier] += count
+            result.stored += count
+            return
         added = 0
         pairs = zip(event.block_hashes, keys, strict=True)
         for engine_hash, key in reversed(list(pairs)) if lru else pairs:
@@ -593,6 +706,30 @@ class PrefixIndex:
             parent_masks = self._masks[parent_tier]
             if parent_key in parent_masks:
                 parent_masks[parent_key] = parent_masks.pop(parent_key)
+
+    def _store_new(self, worker: _Worker, tier: int, block_hashes: Sequence[int], keys: list[int]) -> bool:
+        """:meth:`_store` without LRU when every engine hash is new to the worker's tier (the
+        usual case): the hash -> key map grows in one C call.  False, touching nothing, when
+        some hash is already known (the general loop then replaces or skips it)."""
+        hashes = block_hashes if min(block_hashes, default=0) >= 0 else [h & _U64 for h in block_hashes]
+        mapping = worker.maps[tier]
+        if not mapping.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
+            return False
+        mapping.update(zip(hashes, keys, strict=True))
+        masks = self._masks[tier]
+        get = masks.get
+        bit = worker.bit
+        single = worker.single
+        dups = worker.dups[tier]
+        for key in keys:
+            holders = get(key, 0)
+            if not holders:
+                masks[key] = single
+            elif (holders if holders >= 0 else 1 << ~holders) & bit:
+                dups[key] = dups.get(key, 0) + 1
+            else:
+                masks[key] = (holders if holders >= 0 else 1 << ~holders) | bit
+        return True
 
     def _orphan(self, worker: _Worker, event: BlockStored, result: ApplyResult) -> None:
         result.orphans += 1
