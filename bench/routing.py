@@ -4,8 +4,9 @@
                             [--limit N] [--policies a,b,...] [--seed 0] [--out-dir bench/results]
 
 Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "code", "hit_ratio", "prefill_tokens",
-"ttft_p50_s", "ttft_p90_s", "hit_ratio_vs_oracle", "targets", ...}`), writes them to bench/results/routing_<trace>.jsonl and draws
-bench/results/routing_<trace>.png (skipped with a note on stderr when matplotlib is not installed).
+"ttft_p50_s", "ttft_p90_s", "hit_ratio_vs_oracle", "targets", ...}`), writes them to
+bench/results/routing_<trace>.jsonl and draws bench/results/routing_<trace>.png (skipped with a note on stderr
+when matplotlib is not installed).
 `hit_ceiling` (every line) is the hit ratio of one unlimited cache shared by all ranks: no placement beats it.
 
 Model (every choice below is a documented default, overridable on the command line):
