@@ -207,7 +207,7 @@ def table(records: Sequence[dict[str, Any]]) -> list[str]:
     columns: list[str] = []
     for record in records:
         for key in record:
-            if key not in columns and key != "bench":
+            if key not in columns and key not in ("bench", "targets"):  # targets: the Targets table
                 columns.append(key)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for record in records:
