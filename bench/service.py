@@ -116,7 +116,7 @@ def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: flo
         # ONE session for the run, as a router keeps its connections: a session per phase put
         # 64 TCP handshakes into every phase's latencies (over 1% of a query phase's requests).
         connector = aiohttp.TCPConnector(limit=clients)
-        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3.0)) as session:
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60.0)) as session:
             for name in PHASES:  # warm-up: connections, caches
                 await _phase(session, base, name, bodies[name], clients, 0.5)
             for _ in range(rounds):  # short phases, interleaved: background load hits all alike
