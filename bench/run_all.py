@@ -258,7 +258,7 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     block = [
         README_START,
         f"Measured by `{report['command']}` on {report['generated']} on this project's CI machine kind "
-        f"({report['machine']['cpus']} CPUs, no accelerator); every figure of every bench is in "
+        f"({report['machine']['cpus']} CPUs, no accelerator{_load_note(report)}); every figure of every bench is in "
         "[bench/results/latest.md](bench/results/latest.md).",
         "",
         *target_rows(report),
@@ -274,13 +274,19 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     return True
 
 
+def _load_note(report: dict[str, Any]) -> str:
+    load = report["machine"].get("loadavg_1m")
+    return f", load average {load:g} at the end" if isinstance(load, (int, float)) else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Benchmark results",
         "",
         f"Made by `{report['command']}` on {report['generated']} "
         f"({report['machine']['cpus']} CPUs, Python {report['machine']['python']}"
-        f"{', quick mode: scaled down' if report['quick'] else ''}).",
+        f"{_load_note(report)}{', quick mode: scaled down' if report['quick'] else ''}"
+        f"{', PARTIAL: the run was cut short' if report.get('partial') else ''}).",
         "Each table holds every figure the bench printed; the command above it reproduces it.",
         "",
         "## Targets",
@@ -304,6 +310,28 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("No figures: the bench printed no JSON line (see latest.json for its stderr).")
         lines.append("")
     return "\n".join(lines)
+
+
+def _report(args: argparse.Namespace, argv: Sequence[str] | None, results: list[Any], partial: bool) -> dict[str, Any]:
+    own = ["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]
+    return {
+        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(p) for p in own),
+        "quick": args.quick,
+        "partial": partial,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        },
+        "benches": results,
+    }
+
+
+def _write(out_dir: Path, report: dict[str, Any]) -> None:
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,16 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         results.append(result)
-    own = ["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]
-    report = {
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(p) for p in own),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "benches": results,
-    }
-    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
+        _write(out_dir, _report(args, argv, results, partial=True))  # a run cut short keeps what it measured
+    report = _report(args, argv, results, partial=False)
+    _write(out_dir, report)
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
     if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):
         print("run_all: rewrote the benchmark block of README.md", file=sys.stderr)
