@@ -237,7 +237,16 @@ def target_rows(report: dict[str, Any]) -> list[str]:
 
 def routing_rows(report: dict[str, Any]) -> list[str]:
     """Every routing policy's headline figures, per trace."""
-    columns = ("trace", "policy", "hit_ratio", "hit_ratio_vs_oracle", "prefill_tokens", "ttft_p50_s", "ttft_p90_s")
+    columns = (
+        "trace",
+        "policy",
+        "code",
+        "hit_ratio",
+        "hit_ratio_vs_oracle",
+        "prefill_tokens",
+        "ttft_p50_s",
+        "ttft_p90_s",
+    )
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for bench in report["benches"]:
         if bench["name"] == "routing":
@@ -263,7 +272,9 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
         "",
         *target_rows(report),
         "",
-        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank):",
+        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank; `code`: "
+        "`shipped` runs motor_adapter's KvAffinity and sglang_kvpub's dispatcher fed through the wire codec, "
+        "`model` is a baseline model):",
         "",
         *routing_rows(report),
         README_END,
