@@ -63,7 +63,8 @@ class Target:
 
     def describe(self) -> str:
         if isinstance(self.limit, str):
-            bound = f"{self.factor:g} x {self.limit}" + (f" + {self.offset:g}" if self.offset else "")
+            scale = f"{self.factor:g} x " if self.factor != 1 else ""
+            bound = f"{scale}{self.limit}" + (f" + {self.offset:g}" if self.offset else "")
         else:
             bound = f"{self.limit:g}"
         return f"{self.op} {bound}"
