@@ -1,7 +1,8 @@
-"""Small helpers shared by the benches: JSON-line output, percentiles, a timer."""
+"""Small helpers shared by the benches: JSON-line output, percentiles, a timer, the issue targets."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -10,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["emit", "percentile", "Timer", "timer"]
+__all__ = ["emit", "percentile", "Timer", "timer", "Target", "TARGETS", "with_targets"]
 
 
 def emit(record: dict[str, Any]) -> None:
@@ -43,3 +44,83 @@ def timer() -> Iterator[Timer]:
         yield t
     finally:
         t.seconds = time.perf_counter() - t.start
+
+
+# --------------------------------------------------------------------------- targets
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One issue target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
+
+    bench: str
+    figure: str
+    op: str  # ">=" or "<="
+    limit: float | str  # a number, or another figure of the same record (with ``factor``/``offset``)
+    factor: float = 1.0
+    offset: float = 0.0
+    where: tuple[tuple[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        if isinstance(self.limit, str):
+            scale = f"{self.factor:g} x " if self.factor != 1 else ""
+            bound = f"{scale}{self.limit}" + (f" + {self.offset:g}" if self.offset else "")
+        else:
+            bound = f"{self.limit:g}"
+        return f"{self.op} {bound}"
+
+    def applies(self, bench: str, record: dict[str, Any]) -> bool:
+        return bench == self.bench and all(record.get(key) == value for key, value in self.where)
+
+    def check(self, record: dict[str, Any]) -> tuple[Any, bool | None]:
+        value = record.get(self.figure)
+        bound = record.get(self.limit) if isinstance(self.limit, str) else self.limit
+        if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
+            return value, None
+        bound = bound * self.factor + self.offset
+        return value, (value >= bound if self.op == ">=" else value <= bound)
+
+
+_CONVERSATION = ("trace", "conversation_trace.jsonl")
+_SYNTHETIC = ("trace", "synthetic_trace.jsonl")
+
+# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 19): ONE list, read by every bench
+# for its own JSON line and by run_all.py for the README's table.
+TARGETS: tuple[Target, ...] = (
+    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
+    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "array"),)),
+    Target("fanin", "added_latency_p99_ms", "<=", 1.0),
+    Target("fanin", "throughput_ratio_vs_direct", ">=", 0.8),
+    Target("residency", "step_overhead_us_median", "<=", 20.0),
+    Target("residency", "reconcile_slice_ms_max", "<=", 1.0),
+    Target("index", "ingest_blocks_per_s", ">=", 300_000),
+    Target("index", "query_p99_us", "<=", 500.0),
+    Target("index", "bytes_per_entry", "<=", 200.0),
+    Target("index", "query_cpu_p50_us", "<=", "baseline_query_cpu_p50_us"),
+    Target("index", "query_cpu_p99_us", "<=", "baseline_query_cpu_p99_us"),
+    Target("index", "ingest_blocks_per_s", ">=", "baseline_ingest_blocks_per_s", factor=2.5),
+    Target("service", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
+    Target("service", "query_cpu_us", "<=", "noop_cpu_us", factor=2.0),
+    Target("service", "query_distinct_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
+    Target("service", "query_distinct_cpu_us", "<=", "noop_cpu_us", factor=2.0),
+    Target("dispatch", "decision_us_p50", "<=", 50.0),
+    Target("dispatch", "decision_us_p99_cold", "<=", 50.0),
+    Target("dispatch", "decision_us_p99_partial", "<=", 50.0),
+    Target("dispatch", "decision_us_p99_full_hit", "<=", 50.0),
+    Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _CONVERSATION)),
+    Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _SYNTHETIC)),
+)
+
+
+def with_targets(record: dict[str, Any], targets: Sequence[Target] = TARGETS) -> dict[str, Any]:
+    """``record`` plus ``targets`` (every target of its bench that applies: the bound, the
+    value and whether it is met) and ``target_met`` (all met; None when none applies)."""
+    bench = str(record.get("bench", ""))
+    checked = []
+    for target in targets:
+        if target.applies(bench, record):
+            value, met = target.check(record)
+            checked.append({"figure": target.figure, "target": target.describe(), "value": value, "met": met})
+    record["targets"] = checked
+    record["target_met"] = all(item["met"] for item in checked) if checked else None
+    return record

@@ -56,6 +56,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -467,8 +468,15 @@ def main() -> int:
         "fanin_gaps": sum(r["gaps"] for r in fanin_stats["ranks"].values()),
         "host_stalls": {"probe_s": args.host_probe_s, "per_cpu": host_stalls} if host_stalls else None,
     }
-    print(json.dumps(line), flush=True)
+    print(json.dumps(_with_targets(line)), flush=True)
     return 0
+
+
+def _with_targets(record: dict[str, Any]) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench._common import with_targets
+
+    return with_targets(record)
 
 
 if __name__ == "__main__":

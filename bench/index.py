@@ -35,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import emit, percentile  # noqa: E402
+from bench._common import emit, percentile, with_targets  # noqa: E402
 from sglang_kvpub.index import PrefixIndex  # noqa: E402
 from sglang_kvpub.wire import BlockStored, EventBatch  # noqa: E402
 
@@ -126,59 +126,93 @@ def chunks(it: Iterator[Store]) -> Iterator[list[Store]]:
         yield chunk
 
 
+def _ours_batches(chunk: list[Store]) -> list[tuple[str, EventBatch]]:
+    return [(f"inst-{s.instance}", EventBatch(ts=0.0, events=[s.event], dp_rank=s.rank)) for s in chunk]
+
+
+def _apply_ours(index: PrefixIndex, batches: list[tuple[str, EventBatch]]) -> None:
+    for name, batch in batches:
+        index.apply_batch(name, batch)
+
+
+def _apply_dynamo(tree: Any, hasher: Any, chunk: list[Store], first_id: int) -> None:
+    """Dynamo's ingest of the same stores: its block hashing, its JSON event, apply_event."""
+    for event_id, s in enumerate(chunk, first_id):
+        ev = s.event
+        pairs = zip(ev.block_hashes, hasher(ev.token_ids, BLOCK), strict=True)
+        payload = {
+            "event_id": event_id,
+            "data": {
+                "stored": {
+                    "parent_hash": ev.parent_block_hash,
+                    "blocks": [{"block_hash": h, "tokens_hash": t} for h, t in pairs],
+                }
+            },
+            "dp_rank": s.rank,
+        }
+        tree.apply_event(s.instance, json.dumps(payload).encode())
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    start, start_cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - start, time.process_time() - start_cpu
+
+
 def ingest_ours(index: PrefixIndex, work: Workload, entries: int) -> tuple[float, float, int]:
     """(wall seconds, CPU seconds, blocks) spent in ``apply_batch``."""
     seconds = cpu = 0.0
     blocks = 0
     for chunk in chunks(work.stores(entries)):
-        batches = [(f"inst-{s.instance}", EventBatch(ts=0.0, events=[s.event], dp_rank=s.rank)) for s in chunk]
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for name, batch in batches:
-            index.apply_batch(name, batch)
-        seconds += time.perf_counter() - start
-        cpu += time.process_time() - start_cpu
+        batches = _ours_batches(chunk)
+        wall, used = _timed(lambda: _apply_ours(index, batches))  # noqa: B023 (called at once)
+        seconds += wall
+        cpu += used
         blocks += sum(len(s.event.block_hashes) for s in chunk)
     return seconds, cpu, blocks
 
 
-def ingest_dynamo(tree: Any, hasher: Any, work: Workload, entries: int) -> tuple[float, float, int]:
-    seconds = cpu = 0.0
+def ingest_both(
+    index: PrefixIndex, tree: Any, hasher: Any, args: argparse.Namespace
+) -> tuple[Workload, dict[str, float], int]:
+    """Both indexes fed the same stores, a chunk at a time, alternating which goes first, so
+    other load on the machine hits both alike.  Returns the workload, wall/CPU seconds per
+    side, and the blocks each ingested."""
+    ours_work, their_work = Workload(args.instances, args.ranks), Workload(args.instances, args.ranks)
+    spent = {"ours_s": 0.0, "ours_cpu_s": 0.0, "dynamo_s": 0.0, "dynamo_cpu_s": 0.0}
     blocks = event_id = 0
-    for chunk in chunks(work.stores(entries)):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        for s in chunk:
-            event_id += 1
-            ev = s.event
-            pairs = zip(ev.block_hashes, hasher(ev.token_ids, BLOCK), strict=True)
-            payload = {
-                "event_id": event_id,
-                "data": {
-                    "stored": {
-                        "parent_hash": ev.parent_block_hash,
-                        "blocks": [{"block_hash": h, "tokens_hash": t} for h, t in pairs],
-                    }
-                },
-                "dp_rank": s.rank,
-            }
-            tree.apply_event(s.instance, json.dumps(payload).encode())
-        seconds += time.perf_counter() - start
-        cpu += time.process_time() - start_cpu
-        blocks += sum(len(s.event.block_hashes) for s in chunk)
-    return seconds, cpu, blocks
+    pairs = zip(chunks(ours_work.stores(args.blocks)), chunks(their_work.stores(args.blocks)), strict=True)
+    for n, (mine, theirs) in enumerate(pairs):
+        batches = _ours_batches(mine)
+        sides: list[tuple[str, Any]] = [
+            ("ours", lambda: _apply_ours(index, batches)),  # noqa: B023 (called at once)
+            ("dynamo", lambda: _apply_dynamo(tree, hasher, theirs, event_id + 1)),  # noqa: B023
+        ]
+        for name, fn in sides if n % 2 else reversed(sides):
+            wall, used = _timed(fn)
+            spent[f"{name}_s"] += wall
+            spent[f"{name}_cpu_s"] += used
+        event_id += len(theirs)
+        blocks += sum(len(s.event.block_hashes) for s in mine)
+    return ours_work, spent, blocks
 
 
-def time_queries(fn: Any, queries: list[list[int]]) -> tuple[list[float], list[float]]:
-    """Per-query latency in microseconds: wall clock, and this thread's CPU time (immune
-    to other processes preempting us on a busy machine)."""
+def time_queries_paired(fns: list[Any], queries: list[list[int]]) -> list[tuple[list[float], list[float]]]:
+    """Per function, per query: wall and this thread's CPU time in microseconds.  The
+    functions take turns on every query (order alternating), so load from other processes
+    lands on all of them alike; CPU time is immune to preemption."""
     for toks in queries[:20]:  # warm-up
-        fn(toks)
-    wall, cpu = [], []
-    for toks in queries:
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        fn(toks)
-        cpu.append((time.thread_time() - start_cpu) * 1e6)
-        wall.append((time.perf_counter() - start) * 1e6)
-    return wall, cpu
+        for fn in fns:
+            fn(toks)
+    out: list[tuple[list[float], list[float]]] = [([], []) for _ in fns]
+    for n, toks in enumerate(queries):
+        order = range(len(fns)) if n % 2 else reversed(range(len(fns)))
+        for i in order:
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            fns[i](toks)
+            out[i][1].append((time.thread_time() - start_cpu) * 1e6)
+            out[i][0].append((time.perf_counter() - start) * 1e6)
+    return out
 
 
 def measure_bytes(args: argparse.Namespace) -> dict[str, float]:
@@ -209,65 +243,82 @@ def main() -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the tracemalloc build")
     args = parser.parse_args()
 
-    work = Workload(args.instances, args.ranks)
     index = PrefixIndex(BLOCK)
-    ingest_s, ingest_cpu, blocks = ingest_ours(index, work, args.blocks)
+    dynamo = None if args.no_baseline else _dynamo()
+    record: dict[str, Any] = {"bench": "index"}
+    if isinstance(dynamo, str):
+        record["baseline_error"] = dynamo
+        dynamo = None
+    if dynamo is None:
+        work = Workload(args.instances, args.ranks)
+        ingest_s, ingest_cpu, blocks = ingest_ours(index, work, args.blocks)
+        spent = {"ours_s": ingest_s, "ours_cpu_s": ingest_cpu}
+    else:
+        tree, hasher = dynamo
+        work, spent, blocks = ingest_both(index, tree, hasher, args)
     queries = work.queries(args.queries)
-    lat, lat_cpu = time_queries(index.query, queries)
+    fns: list[Any] = [index.query]
+    if dynamo is not None:
+        fns.append(lambda toks: tree.find_matches(hasher(toks, BLOCK)).scores)
+    timings = time_queries_paired(fns, queries)
+    lat, lat_cpu = timings[0]
     hits = [index.query(q) for q in queries[:200]]
     stats = index.stats()
-    record: dict[str, Any] = {
-        "bench": "index",
-        "instances": args.instances,
-        "ranks": args.ranks,
-        "block_size": BLOCK,
-        "indexed_blocks": stats.blocks,
-        "distinct_keys": stats.keys,
-        "query_blocks": QUERY_TOKENS // BLOCK,
-        "ingest_blocks_per_s": round(blocks / ingest_s),
-        "ingest_blocks_per_cpu_s": round(blocks / ingest_cpu),
-        "query_p50_us": round(percentile(lat, 50), 1),
-        "query_p99_us": round(percentile(lat, 99), 1),
-        "query_max_us": round(max(lat), 1),
-        "query_cpu_p50_us": round(percentile(lat_cpu, 50), 1),
-        "query_cpu_p99_us": round(percentile(lat_cpu, 99), 1),
-        "query_mean_ranks_hit": round(sum(sum(len(r) for r in h.values()) for h in hits) / len(hits), 1),
-        "bytes_per_entry_estimate": round(stats.bytes_per_entry, 1),
-    }
+    record.update(
+        {
+            "instances": args.instances,
+            "ranks": args.ranks,
+            "block_size": BLOCK,
+            "indexed_blocks": stats.blocks,
+            "distinct_keys": stats.keys,
+            "query_blocks": QUERY_TOKENS // BLOCK,
+            "ingest_blocks_per_s": round(blocks / spent["ours_s"]),
+            "ingest_blocks_per_cpu_s": round(blocks / spent["ours_cpu_s"]),
+            "query_p50_us": round(percentile(lat, 50), 1),
+            "query_p99_us": round(percentile(lat, 99), 1),
+            "query_max_us": round(max(lat), 1),
+            "query_cpu_p50_us": round(percentile(lat_cpu, 50), 1),
+            "query_cpu_p99_us": round(percentile(lat_cpu, 99), 1),
+            "query_mean_ranks_hit": round(sum(sum(len(r) for r in h.values()) for h in hits) / len(hits), 1),
+            "bytes_per_entry_estimate": round(stats.bytes_per_entry, 1),
+        }
+    )
     del hits
-    if not args.no_baseline:
-        record.update(baseline(args, queries))
+    if dynamo is not None:
+        their_lat, their_cpu = timings[1]
+        record.update(
+            {
+                "baseline": "dynamo RadixTree 1.6.1",
+                "baseline_ingest_blocks_per_s": round(blocks / spent["dynamo_s"]),
+                "baseline_ingest_blocks_per_cpu_s": round(blocks / spent["dynamo_cpu_s"]),
+                "baseline_query_p50_us": round(percentile(their_lat, 50), 1),
+                "baseline_query_p99_us": round(percentile(their_lat, 99), 1),
+                "baseline_query_cpu_p50_us": round(percentile(their_cpu, 50), 1),
+                "baseline_query_cpu_p99_us": round(percentile(their_cpu, 99), 1),
+                "method": "same stores and queries; ingest chunks and queries alternate between the two, order "
+                "alternating; CPU = process time (ingest) / thread time (query)",
+            }
+        )
+        record["ingest_cpu_ratio_vs_baseline"] = round(
+            record["ingest_blocks_per_cpu_s"] / record["baseline_ingest_blocks_per_cpu_s"], 3
+        )
+        del tree
     del index
     gc.collect()
     if not args.no_memory:
         record.update(measure_bytes(args))
     record["loadavg_1m"] = round(os.getloadavg()[0], 2)  # other processes on this machine skew wall-clock figures
-    emit(record)
+    emit(with_targets(record))
     return 0
 
 
-def baseline(args: argparse.Namespace, queries: list[list[int]]) -> dict[str, Any]:
+def _dynamo() -> tuple[Any, Any] | str | None:
+    """Dynamo's RadixTree and its block hasher, or why they are unavailable."""
     try:
         from dynamo._core import RadixTree, compute_block_hash_for_seq
     except ImportError as exc:
-        return {"baseline_error": f"dynamo._core unavailable: {exc}"}
-    tree = RadixTree()
-    work = Workload(args.instances, args.ranks)
-    seconds, cpu, blocks = ingest_dynamo(tree, compute_block_hash_for_seq, work, args.blocks)
-
-    def query(toks: list[int]) -> Any:
-        return tree.find_matches(compute_block_hash_for_seq(toks, BLOCK)).scores
-
-    lat, lat_cpu = time_queries(query, queries)
-    return {
-        "baseline": "dynamo RadixTree 1.6.1",
-        "baseline_ingest_blocks_per_s": round(blocks / seconds),
-        "baseline_ingest_blocks_per_cpu_s": round(blocks / cpu),
-        "baseline_query_p50_us": round(percentile(lat, 50), 1),
-        "baseline_query_p99_us": round(percentile(lat, 99), 1),
-        "baseline_query_cpu_p50_us": round(percentile(lat_cpu, 50), 1),
-        "baseline_query_cpu_p99_us": round(percentile(lat_cpu, 99), 1),
-    }
+        return f"dynamo._core unavailable: {exc}"
+    return RadixTree(), compute_block_hash_for_seq
 
 
 if __name__ == "__main__":

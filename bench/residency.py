@@ -42,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
 
 def _toggle(enabled: bool) -> None:
@@ -87,7 +87,7 @@ def step_overhead(ns: Any, steps: int, gc_enabled: bool, block: int = 8, settle:
     interpreter's specialised call sites: the first ``settle`` steps after each switch are
     run but not timed, so the switch is not billed to either side.  Block order alternates.
     """
-    import rh_trees as rt
+    from bench import rh_trees as rt
 
     page = 128
     trees = {flag: rt.unified_tree(ns, page) for flag in (True, False)}
@@ -142,7 +142,7 @@ def step_overhead(ns: Any, steps: int, gc_enabled: bool, block: int = 8, settle:
 
 
 def _build(ns: Any, make: Any, pages: int) -> Any:
-    import rh_trees as rt
+    from bench import rh_trees as rt
 
     page, per_node = 4, 64
     tree = make(ns, page)
@@ -155,8 +155,7 @@ def _build(ns: Any, make: Any, pages: int) -> Any:
 
 
 def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> dict[str, Any]:
-    import rh_trees as rt
-
+    from bench import rh_trees as rt
     from sglang_kvpub.reconcile import SLICE_BUDGET_S, Reconciler, drift
     from sglang_kvpub.wire import MEDIUM_GPU
 
@@ -253,7 +252,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes (whole-walk and snapshot extrapolated)")
     args = parser.parse_args()
-    import rh_trees as rt
+    from bench import rh_trees as rt
 
     ns = rt.setup()
     steps = 200 if args.quick else 1000
@@ -269,36 +268,40 @@ def main() -> int:
     runs = (legacy, unified)
     snap_s, snap_bytes = snapshot(blocks)
     scale = (1 << 20) / pages
+    from bench._common import with_targets
+
     print(
         json.dumps(
-            {
-                "bench": "residency",
-                "step_overhead_us_median": no_gc["cpu_diff_us"]["median"],
-                "step_overhead_us_p99": no_gc["cpu_diff_us"]["p99"],
-                "reconcile_slice_ms_max": max(r["slice_cpu_ms"]["max"] for r in runs),
-                "reconcile_1m_pages_s": round(legacy["walk_s"] * scale, 3),
-                "snapshot_1m_blocks_s": round(snap_s * (1 << 20) / blocks, 3),
-                "snapshot_1m_blocks_bytes": int(snap_bytes * (1 << 20) / blocks),
-                "step_overhead": {
-                    "method": "A/B interleaved per step, order alternating; per-step difference of thread CPU time",
-                    "gc_disabled": no_gc,
-                    "gc_enabled": with_gc,
-                },
-                "reconcile_legacy_radixcache": legacy,
-                "reconcile_unified_python_core": unified,
-                "reconcile_slice_clock": (
-                    "headline reconcile_slice_ms_max: thread CPU time of the slice (what the plugin took from "
-                    "the scheduler thread; time the OS gave other processes while the slice was preempted is "
-                    "excluded); wall-clock max and slices over 1 ms wall reported alongside"
-                ),
-                "reconcile_slice_wall_ms_max": max(r["slice_wall_ms"]["max"] for r in runs),
-                "reconcile_slices_over_1ms_wall": sum(r["slices_over_1ms_wall"] for r in runs),
-                "reconcile_slices": sum(r["slices"] for r in runs),
-                "reconcile_slice_budget_ms": SLICE_BUDGET_S * 1e3,
-                "snapshot_block_tokens": 16,
-                "load_avg_1m": round(os.getloadavg()[0], 2),
-                "extrapolated": bool(args.quick),
-            }
+            with_targets(
+                {
+                    "bench": "residency",
+                    "step_overhead_us_median": no_gc["cpu_diff_us"]["median"],
+                    "step_overhead_us_p99": no_gc["cpu_diff_us"]["p99"],
+                    "reconcile_slice_ms_max": max(r["slice_cpu_ms"]["max"] for r in runs),
+                    "reconcile_1m_pages_s": round(legacy["walk_s"] * scale, 3),
+                    "snapshot_1m_blocks_s": round(snap_s * (1 << 20) / blocks, 3),
+                    "snapshot_1m_blocks_bytes": int(snap_bytes * (1 << 20) / blocks),
+                    "step_overhead": {
+                        "method": "A/B interleaved per step, order alternating; per-step difference of thread CPU time",
+                        "gc_disabled": no_gc,
+                        "gc_enabled": with_gc,
+                    },
+                    "reconcile_legacy_radixcache": legacy,
+                    "reconcile_unified_python_core": unified,
+                    "reconcile_slice_clock": (
+                        "headline reconcile_slice_ms_max: thread CPU time of the slice (what the plugin took from "
+                        "the scheduler thread; time the OS gave other processes while the slice was preempted is "
+                        "excluded); wall-clock max and slices over 1 ms wall reported alongside"
+                    ),
+                    "reconcile_slice_wall_ms_max": max(r["slice_wall_ms"]["max"] for r in runs),
+                    "reconcile_slices_over_1ms_wall": sum(r["slices_over_1ms_wall"] for r in runs),
+                    "reconcile_slices": sum(r["slices"] for r in runs),
+                    "reconcile_slice_budget_ms": SLICE_BUDGET_S * 1e3,
+                    "snapshot_block_tokens": 16,
+                    "load_avg_1m": round(os.getloadavg()[0], 2),
+                    "extrapolated": bool(args.quick),
+                }
+            )
         )
     )
     return 0

@@ -3,9 +3,10 @@
     python bench/routing.py [--trace FILE] [--instances 2] [--ranks 16] [--capacity-pages 4096] [--load 0.6]
                             [--limit N] [--policies a,b,...] [--seed 0] [--out-dir bench/results]
 
-Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "hit_ratio", "prefill_tokens",
-"ttft_p50_s", "ttft_p90_s", ...}`), writes them to bench/results/routing_<trace>.jsonl and draws
-bench/results/routing_<trace>.png (skipped with a note on stderr when matplotlib is not installed).
+Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "code", "hit_ratio", "prefill_tokens",
+"ttft_p50_s", "ttft_p90_s", "hit_ratio_vs_oracle", "targets", ...}`), writes them to
+bench/results/routing_<trace>.jsonl and draws bench/results/routing_<trace>.png (skipped with a note on stderr
+when matplotlib is not installed).
 `hit_ceiling` (every line) is the hit ratio of one unlimited cache shared by all ranks: no placement beats it.
 
 Model (every choice below is a documented default, overridable on the command line):
@@ -32,22 +33,38 @@ Model (every choice below is a documented default, overridable on the command li
   against the rank's cache when they were enqueued) plus the remainder of the running prefill. An instance's
   load is the sum over its ranks. The same signal for every policy.
 
-Policies (each on a fresh cluster, same arrivals):
+Token ids and events (the shipped policies): page j of trace block b carries 128 token ids that are a fixed
+function of (b, j) (SHAKE-128 of the pair), so prompts share token ids exactly where they share blocks and the
+product's XXH3 block keys chain like the page keys above. When a prefill finishes, its rank publishes what an
+SGLang rank publishes: one BlockRemoved for the pages its LRU evicted, one BlockStored for the new pages (engine
+block hashes = the page keys, parent = the page before them, their token ids), as one batch tagged with the rank.
+Each batch is encoded with wire.BatchEncoder (the fan-in's instance stream) and decoded with wire.BatchDecoder
+(the router's subscriber), then applied as the stream subscriber applies it: PrefixIndex.apply_batch of the
+router's KvAffinity, and CacheAwareDispatcher.observe of the instance's dispatcher.
+
+Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field "code": "shipped"):
+- dp0_only: the report's bug. motor_adapter's KvAffinity.select (Motor's kv_cache_affinity, unified cost over
+  each instance's folded hit and its load) over an index fed ONLY rank 0's stream of each instance; rank
+  round-robin inside.
+- instance_affinity: the upstream fix. KvAffinity.select over every rank's stream picks the instance; rank
+  round-robin inside (SGLang's default DP dispatch).
+- fold_pinned: ours at the router. KvAffinity.select picks the instance AND pins the rank its fold names
+  (Decision.dp_rank = routed_dp_rank: the rank with the longest hit); round-robin when nothing is matched.
+  Motor's load is per instance (one endpoint per instance): the pinned rank's own queue is not in the cost.
+- fold_pinned_dispatch: issue 9. KvAffinity.select picks the instance (no pin); inside the instance the real
+  CacheAwareDispatcher (fed the same rank events) picks the rank from its index and the rank loads (same load
+  signal as below). Its JSON line also reports the ratios against instance_affinity, the same router with
+  SGLang's round-robin dispatch.
+Baselines (JSON "code": "model"):
 - round_robin: instance round-robin, rank round-robin inside (SGLang's default DP dispatch).
 - load_balance: least-loaded instance, rank round-robin inside.
-- dp0_only: the report's bug. The router sees only rank 0's cache of each instance and scores instances with
-  Motor's unified cost on that hit (no hit anywhere = pure load ranking); rank round-robin inside.
-- instance_affinity: the upstream fix (fold_engine_dps). Instance by Motor's unified cost on the longest hit
-  over its ranks (fold) and the instance load; rank round-robin inside.
-- fold_pinned: ours. Motor's unified cost per (instance, rank): prefill_load_scale * max(0, isl -
-  overlap_credit * matched_rank) + load_weight * load_rank; the request is pinned to the best rank
-  (routed_dp_rank). No extra hot-spot guard by default: the cost already bounds the chosen rank's excess load
-  over the least-loaded rank by its matched tokens. `--hotspot-tokens T` adds one anyway (if the chosen rank's
-  load exceeds the least-loaded rank's by more than T tokens, take the cheapest rank among those within T).
-- fold_pinned_dispatch: issue 9. The router picks the instance as instance_affinity does (no rank pinning);
-  inside the instance, the cache-aware DP dispatch sends the request to its rank of lowest unified cost
-  (fan-in index + rank loads). Its JSON line also reports the ratios against instance_affinity, the same
-  router with SGLang's round-robin dispatch.
+- model_dp0_only, model_instance_affinity, model_fold_pinned, model_fold_pinned_dispatch: the earlier models of
+  the four policies above (the rank caches read directly, Motor's unified cost written out here).
+  model_fold_pinned scores every (instance, rank) with the RANK's load: prefill_load_scale * max(0, isl -
+  overlap_credit * matched_rank) + load_weight * load_rank, pinned to the best rank; `--hotspot-tokens T` adds
+  a guard (if the chosen rank's load exceeds the least-loaded rank's by more than T tokens, take the cheapest
+  rank among those within T). model_fold_pinned_dispatch: the instance as model_instance_affinity, the rank
+  by the same per-rank cost.
 - oracle: perfect knowledge, no lookahead into future arrivals. At dispatch it knows, for every rank, (a) the
   exact prefix it will hold when this request starts there: its cache now plus the pages of every request
   already queued or running on it (inserted before this one starts; evictions in between ignored), and
@@ -67,11 +84,14 @@ w_npu = 1 (only HBM is modelled), block_size (page) = 128; matched = min(pages *
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import json
 import math
+import struct
 import sys
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -79,9 +99,14 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-if str(_HERE) not in sys.path:  # bench/ is a folder of scripts, not a package
-    sys.path.insert(0, str(_HERE))
+if str(_HERE.parent) not in sys.path:  # bench/ is a folder of scripts: the repository root holds the packages
+    sys.path.insert(0, str(_HERE.parent))
 
+from bench._common import with_targets  # noqa: E402
+from motor_adapter.affinity import KvAffinity  # noqa: E402
+from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
+from sglang_kvpub import wire  # noqa: E402
+from sglang_kvpub.dispatch import CacheAwareDispatcher  # noqa: E402
 from sglang_kvpub.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
@@ -98,8 +123,15 @@ ALL_POLICIES = (
     "instance_affinity",
     "fold_pinned",
     "fold_pinned_dispatch",
+    "model_dp0_only",
+    "model_instance_affinity",
+    "model_fold_pinned",
+    "model_fold_pinned_dispatch",
     "oracle",
 )
+# Policies that run the shipped code (motor_adapter's KvAffinity, sglang_kvpub's dispatcher);
+# the model_* policies are the earlier models of the same ideas, kept as baselines.
+SHIPPED_POLICIES = ("dp0_only", "instance_affinity", "fold_pinned", "fold_pinned_dispatch")
 EXTRA_POLICIES = ("oracle_max_prefix",)  # diagnostics, only when named in --policies
 REPO_ROOT = _HERE.parent
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
@@ -111,6 +143,7 @@ class Request:
     arrival_s: float
     isl: int
     keys: tuple[int, ...]  # prefix-chained page keys of the full pages
+    hash_ids: tuple[int, ...] = ()  # the trace's 512-token block ids: the token ids derive from them
 
 
 def page_keys(hash_ids: Sequence[int], input_length: int, page_size: int = PAGE_SIZE) -> tuple[int, ...]:
@@ -160,6 +193,7 @@ def build_requests(
             arrival_s=(r["timestamp"] / 1000.0 - t0) * scale,
             isl=int(r["input_length"]),
             keys=page_keys(r["hash_ids"], int(r["input_length"]), page_size),
+            hash_ids=tuple(r["hash_ids"]),
         )
         for r in records
     ]
@@ -181,6 +215,124 @@ def hit_ceiling(requests: Sequence[Request], page_size: int = PAGE_SIZE) -> floa
         total += req.isl
         seen.update(req.keys)
     return cached / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------------ token ids
+_PAGE_BYTES: dict[tuple[int, int, int], bytes] = {}
+_PAGE_BYTES_MAX = 200_000  # ~100 MB of 128-token pages; rebuilt on demand past that
+
+
+def page_block(req: Request, page: int, page_size: int = PAGE_SIZE) -> tuple[int, int]:
+    """(trace block id, page within it) of a request's page - what ``page_keys`` chains."""
+    per_block = TRACE_BLOCK_TOKENS // page_size
+    block = req.hash_ids[page // per_block] if page // per_block < len(req.hash_ids) else -1 - page
+    return block, page % per_block
+
+
+def page_tokens(block: int, part: int, page_size: int = PAGE_SIZE) -> bytes:
+    """The page's token ids as little-endian u32 bytes: a fixed function of (block id, page in
+    block), so two prompts share token ids exactly where the trace says they share blocks."""
+    key = (block, part, page_size)
+    data = _PAGE_BYTES.get(key)
+    if data is None:
+        if len(_PAGE_BYTES) >= _PAGE_BYTES_MAX:
+            _PAGE_BYTES.clear()
+        data = _PAGE_BYTES[key] = hashlib.shake_128(struct.pack("<qqq", block, part, page_size)).digest(4 * page_size)
+    return data
+
+
+def request_tokens(req: Request, page_size: int = PAGE_SIZE) -> array[int]:
+    """The request's ``isl`` token ids (u32): its full pages, then a partial page of zeros."""
+    pages = b"".join(page_tokens(*page_block(req, i, page_size), page_size) for i in range(len(req.keys)))
+    tokens = array("I", pages)
+    tokens.extend([0] * (req.isl - len(tokens)))
+    return tokens
+
+
+def stored_events(req: Request, stored: Sequence[int], evicted: Sequence[int], page_size: int) -> list[Any]:
+    """What the rank publishes when a prefill finishes, as SGLang's recorder coalesces it: the
+    evicted pages as one ``BlockRemoved``, the new pages as one ``BlockStored`` (page keys as
+    engine block hashes, the parent the page before the first new one, their token ids)."""
+    events: list[Any] = []
+    if evicted:
+        events.append(wire.BlockRemoved(block_hashes=list(evicted), medium=wire.MEDIUM_GPU))
+    if stored:
+        first = req.keys.index(stored[0])
+        raw = b"".join(
+            page_tokens(*page_block(req, i, page_size), page_size) for i in range(first, first + len(stored))
+        )
+        events.append(
+            wire.BlockStored(
+                block_hashes=list(stored),
+                parent_block_hash=req.keys[first - 1] if first else None,
+                token_ids=array("I", raw).tolist(),
+                block_size=page_size,
+                medium=wire.MEDIUM_GPU,
+            )
+        )
+    return events
+
+
+class _NoStream:
+    """KvAffinity's subscriber, unused: the simulation feeds the index what a stream would."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def health(self) -> None:
+        return None
+
+
+class ShippedFeed:
+    """The shipped router and dispatcher, fed the ranks' KV events through the real wire codec.
+
+    Every batch a rank publishes is encoded (``wire.BatchEncoder``, the fan-in's instance
+    stream), decoded (``wire.BatchDecoder``, the subscriber's decoder) and applied as
+    ``StreamSubscriber`` applies it: ``PrefixIndex.apply_batch`` of one ``KvAffinity`` for the
+    whole cluster (``router``), of one that sees only rank 0's stream (``dp0``: the report's
+    bug), and ``CacheAwareDispatcher.observe`` of each instance's dispatcher (the fan-in's feed).
+    """
+
+    def __init__(self, instances: int, ranks: int, page_size: int, *, router: bool, dp0: bool, dispatch: bool) -> None:
+        cfg = KvAffinityConfig(block_size=page_size)
+        self.names = [f"instance-{i}" for i in range(instances)]
+        self.encoder = wire.BatchEncoder()
+        self.decoder = wire.BatchDecoder()
+        self.router = self._affinity(cfg) if router else None
+        self.dp0 = self._affinity(cfg) if dp0 else None
+        self.dispatchers = [CacheAwareDispatcher(ranks, page_size) for _ in range(instances)] if dispatch else []
+        self.batches = 0
+
+    def _affinity(self, cfg: KvAffinityConfig) -> KvAffinity:
+        affinity = KvAffinity(cfg, subscriber_factory=_NoStream)
+        for name in self.names:
+            affinity.add_instance(name, f"inproc://{name}")
+        return affinity
+
+    def publish(self, instance: int, rank: int, events: list[Any], ts: float) -> None:
+        if not events:
+            return
+        payload = self.encoder.encode(wire.EventBatch(ts=ts, events=events, dp_rank=rank))
+        batch = self.decoder.decode(payload)
+        self.batches += 1
+        name = self.names[instance]
+        if self.router is not None:
+            self.router.index.apply_batch(name, batch)
+        if self.dp0 is not None and rank == 0:
+            self.dp0.index.apply_batch(name, batch)
+        if self.dispatchers:
+            self.dispatchers[instance].observe(batch, rank)
+
+    def close(self) -> None:
+        for affinity in (self.router, self.dp0):
+            if affinity is not None:
+                affinity.close()
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -218,6 +370,7 @@ class Cluster:
         self.now = 0.0
         self.stats = Stats(per_rank=[0] * (instances * ranks))
         self.track_pending = False  # oracle bookkeeping, off for the other policies (it costs time)
+        self.feed: ShippedFeed | None = None  # the shipped router/dispatcher, fed each rank's events
 
     # ----- what routers may observe
     def matched_tokens(self, flat: int, req: Request) -> int:
@@ -299,6 +452,9 @@ class Cluster:
         rank.queue.popleft()
         res = rank.cache.insert(req.keys)  # the engine publishes BlockStored now
         self.stats.evicted_pages += len(res.evicted)
+        if self.feed is not None:
+            events = stored_events(req, res.stored, res.evicted, self.page_size)  # type: ignore[arg-type]
+            self.feed.publish(flat // self.n_ranks, flat % self.n_ranks, events, self.now)
         if self.track_pending:
             pend = rank.pending
             for key in req.keys:
@@ -325,10 +481,18 @@ def unified_cost(isl: int, matched: int, load: float) -> float:
 class Router:
     """Holds the round-robin counters and tie-break rotation of one run; `policy(name)` returns a Policy."""
 
-    def __init__(self, instances: int, ranks: int, hotspot_tokens: float | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        instances: int,
+        ranks: int,
+        hotspot_tokens: float | None = None,
+        seed: int = 0,
+        feed: ShippedFeed | None = None,
+    ) -> None:
         self.n_inst = instances
         self.n_ranks = ranks
         self.hotspot_tokens = hotspot_tokens
+        self.feed = feed
         self._inst_rr = seed % instances
         self._rank_rr = [seed % ranks] * instances
         self._tick = seed  # rotates tie-breaks so equal scores do not always favour index 0
@@ -341,6 +505,10 @@ class Router:
             "instance_affinity": self.instance_affinity,
             "fold_pinned": self.fold_pinned,
             "fold_pinned_dispatch": self.fold_pinned_dispatch,
+            "model_dp0_only": self.model_dp0_only,
+            "model_instance_affinity": self.model_instance_affinity,
+            "model_fold_pinned": self.model_fold_pinned,
+            "model_fold_pinned_dispatch": self.model_fold_pinned_dispatch,
             "oracle": self.oracle,
             "oracle_max_prefix": self.oracle_max_prefix,
         }
@@ -394,16 +562,55 @@ class Router:
         inst = min(self._rotation(self.n_inst), key=cl.instance_load)  # min keeps the first of equals
         return self._rr_rank(inst)
 
+    # ----- the shipped code: motor_adapter's KvAffinity (Motor's kv_cache_affinity over the fold
+    # of its PrefixIndex) and each instance's CacheAwareDispatcher, fed by the ranks' events
+    def _select(self, cl: Cluster, req: Request, affinity: KvAffinity | None) -> tuple[int, int | None, Any]:
+        """KvAffinity.select over every instance (Motor's load: the instance's queued tokens)
+        -> (instance, pinned rank or None, the request's token ids)."""
+        assert affinity is not None, "shipped policies need a ShippedFeed"
+        feed = self.feed
+        assert feed is not None
+        tokens = request_tokens(req, cl.page_size)
+        order = self._rotation(self.n_inst)  # candidate order: Motor keeps it on ties
+        candidates = [Candidate(feed.names[i], cl.instance_load(i)) for i in order]
+        decision = affinity.select(candidates, tokens)
+        return feed.names.index(decision.instance_id), decision.dp_rank, tokens
+
     def dp0_only(self, cl: Cluster, req: Request) -> int:
-        return self._rr_rank(self._best_instance(cl, req, lambda i: cl.matched_tokens(i * self.n_ranks, req)))
+        """The report's bug, shipped code: the router's index sees only rank 0's stream."""
+        inst, _, _ = self._select(cl, req, self.feed.dp0 if self.feed else None)
+        return self._rr_rank(inst)
 
     def instance_affinity(self, cl: Cluster, req: Request) -> int:
-        return self._rr_rank(self._best_instance(cl, req, lambda i: self._fold(cl, req, i)))
+        """The upstream fix: the instance by the fold, SGLang's round robin inside."""
+        inst, _, _ = self._select(cl, req, self.feed.router if self.feed else None)
+        return self._rr_rank(inst)
 
     def fold_pinned(self, cl: Cluster, req: Request) -> int:
-        return self._best_rank(cl, req, self._rotation(self.n_inst * self.n_ranks))
+        """Ours: the instance and the rank Motor's decision pins (``routed_dp_rank``)."""
+        inst, rank, _ = self._select(cl, req, self.feed.router if self.feed else None)
+        return inst * self.n_ranks + rank if rank is not None else self._rr_rank(inst)
 
     def fold_pinned_dispatch(self, cl: Cluster, req: Request) -> int:
+        """Issue 9: the instance by the fold, the rank by the instance's cache-aware dispatcher."""
+        inst, _, tokens = self._select(cl, req, self.feed.router if self.feed else None)
+        assert self.feed is not None and self.feed.dispatchers
+        base = inst * self.n_ranks
+        loads = [cl.rank_load(base + r) for r in range(self.n_ranks)]
+        rank = self.feed.dispatchers[inst].choose(tokens, loads).rank
+        return base + rank if rank is not None else self._rr_rank(inst)
+
+    # ----- the earlier models of the same policies (baselines)
+    def model_dp0_only(self, cl: Cluster, req: Request) -> int:
+        return self._rr_rank(self._best_instance(cl, req, lambda i: cl.matched_tokens(i * self.n_ranks, req)))
+
+    def model_instance_affinity(self, cl: Cluster, req: Request) -> int:
+        return self._rr_rank(self._best_instance(cl, req, lambda i: self._fold(cl, req, i)))
+
+    def model_fold_pinned(self, cl: Cluster, req: Request) -> int:
+        return self._best_rank(cl, req, self._rotation(self.n_inst * self.n_ranks))
+
+    def model_fold_pinned_dispatch(self, cl: Cluster, req: Request) -> int:
         inst = self._best_instance(cl, req, lambda i: self._fold(cl, req, i))
         return self._best_rank(cl, req, [inst * self.n_ranks + r for r in self._rotation(self.n_ranks)])
 
@@ -449,13 +656,28 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
     """Run one policy on a fresh cluster; returns the policy's figures (without trace metadata)."""
     cl = Cluster(cfg.instances, cfg.ranks, cfg.capacity_pages, cfg.page_size, cfg.tokens_per_s)
     cl.track_pending = policy_name.startswith("oracle")
-    router = Router(cfg.instances, cfg.ranks, cfg.hotspot_tokens, cfg.seed)
+    feed = None
+    if policy_name in SHIPPED_POLICIES:
+        feed = ShippedFeed(
+            cfg.instances,
+            cfg.ranks,
+            cfg.page_size,
+            router=policy_name != "dp0_only",
+            dp0=policy_name == "dp0_only",
+            dispatch=policy_name == "fold_pinned_dispatch",
+        )
+    cl.feed = feed
+    router = Router(cfg.instances, cfg.ranks, cfg.hotspot_tokens, cfg.seed, feed=feed)
     policy = router.policy(policy_name)
     t0 = time.perf_counter()
-    for req in requests:
-        cl.advance(req.arrival_s)
-        cl.dispatch(req, policy(cl, req))
-    cl.drain()
+    try:
+        for req in requests:
+            cl.advance(req.arrival_s)
+            cl.dispatch(req, policy(cl, req))
+        cl.drain()
+    finally:
+        if feed is not None:
+            feed.close()
     wall = time.perf_counter() - t0
     st = cl.stats
     mean_per_rank = len(requests) / len(st.per_rank)
@@ -473,6 +695,8 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
         "evicted_pages": st.evicted_pages,
         "rank_requests_max_over_mean": round(max(st.per_rank) / mean_per_rank, 3) if requests else 0.0,
         "sim_wall_s": round(wall, 3),
+        "code": "shipped" if feed is not None else ("oracle" if policy_name.startswith("oracle") else "model"),
+        "wire_batches": feed.batches if feed is not None else 0,
     }
 
 
@@ -605,7 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = run(requests, cfg, policies, extra)
     stem = args.trace.name.removesuffix(".jsonl")
     for r in results:
-        print(json.dumps(r), flush=True)
+        print(json.dumps(with_targets(r)), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"routing_{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     if not args.no_plot:

@@ -33,6 +33,11 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT) not in sys.path:  # run as a script: bench/ is a folder, the repository root holds it
+    sys.path.insert(0, str(ROOT))
+
+from bench._common import TARGETS  # noqa: E402
+
 TRACES = ROOT.parent / "shared" / "data" / "mooncake"
 
 
@@ -202,63 +207,12 @@ def table(records: Sequence[dict[str, Any]]) -> list[str]:
     columns: list[str] = []
     for record in records:
         for key in record:
-            if key not in columns and key != "bench":
+            if key not in columns and key not in ("bench", "targets"):  # targets: the Targets table
                 columns.append(key)
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for record in records:
         lines.append("| " + " | ".join(_cell(record.get(key)) for key in columns) + " |")
     return lines
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-    """One issue target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
-
-    bench: str
-    figure: str
-    op: str  # ">=" or "<="
-    limit: float | str  # a number, or another figure of the same record (with ``factor``/``offset``)
-    factor: float = 1.0
-    offset: float = 0.0
-    where: tuple[tuple[str, Any], ...] = ()
-
-    def describe(self) -> str:
-        if isinstance(self.limit, str):
-            bound = f"{self.factor:g} x {self.limit}" + (f" + {self.offset:g}" if self.offset else "")
-        else:
-            bound = f"{self.limit:g}"
-        return f"{self.op} {bound}"
-
-    def check(self, record: dict[str, Any]) -> tuple[Any, bool | None]:
-        value = record.get(self.figure)
-        bound = record.get(self.limit) if isinstance(self.limit, str) else self.limit
-        if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
-            return value, None
-        bound = bound * self.factor + self.offset
-        return value, (value >= bound if self.op == ">=" else value <= bound)
-
-
-# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10).
-TARGETS: tuple[Target, ...] = (
-    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
-    Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "array"),)),
-    Target("fanin", "added_latency_p99_ms", "<=", 1.0),
-    Target("fanin", "throughput_ratio_vs_direct", ">=", 0.8),
-    Target("residency", "step_overhead_us_median", "<=", 20.0),
-    Target("residency", "reconcile_slice_ms_max", "<=", 1.0),
-    Target("index", "ingest_blocks_per_s", ">=", 300_000),
-    Target("index", "query_p99_us", "<=", 500.0),
-    Target("index", "bytes_per_entry", "<=", 200.0),
-    Target("service", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
-    Target("dispatch", "decision_us_p50", "<=", 50.0),
-    Target(
-        "routing",
-        "hit_ratio_vs_oracle",
-        ">=",
-        0.95,
-        where=(("policy", "fold_pinned"), ("trace", "conversation_trace.jsonl")),
-    ),
-)
 
 
 def target_rows(report: dict[str, Any]) -> list[str]:
@@ -268,9 +222,8 @@ def target_rows(report: dict[str, Any]) -> list[str]:
         records = [
             record
             for bench in report["benches"]
-            if bench["name"] == target.bench
             for record in bench["records"]
-            if all(record.get(key) == value for key, value in target.where)
+            if target.applies(bench["name"], record)
         ]
         label = target.figure + "".join(f" ({value})" for _, value in target.where)
         for record in records[:1]:
@@ -284,7 +237,16 @@ def target_rows(report: dict[str, Any]) -> list[str]:
 
 def routing_rows(report: dict[str, Any]) -> list[str]:
     """Every routing policy's headline figures, per trace."""
-    columns = ("trace", "policy", "hit_ratio", "hit_ratio_vs_oracle", "prefill_tokens", "ttft_p50_s", "ttft_p90_s")
+    columns = (
+        "trace",
+        "policy",
+        "code",
+        "hit_ratio",
+        "hit_ratio_vs_oracle",
+        "prefill_tokens",
+        "ttft_p50_s",
+        "ttft_p90_s",
+    )
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for bench in report["benches"]:
         if bench["name"] == "routing":
@@ -305,12 +267,14 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     block = [
         README_START,
         f"Measured by `{report['command']}` on {report['generated']} on this project's CI machine kind "
-        f"({report['machine']['cpus']} CPUs, no accelerator); every figure of every bench is in "
+        f"({report['machine']['cpus']} CPUs, no accelerator{_load_note(report)}); every figure of every bench is in "
         "[bench/results/latest.md](bench/results/latest.md).",
         "",
         *target_rows(report),
         "",
-        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank):",
+        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank; `code`: "
+        "`shipped` runs motor_adapter's KvAffinity and sglang_kvpub's dispatcher fed through the wire codec, "
+        "`model` is a baseline model):",
         "",
         *routing_rows(report),
         README_END,
@@ -321,13 +285,19 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     return True
 
 
+def _load_note(report: dict[str, Any]) -> str:
+    load = report["machine"].get("loadavg_1m")
+    return f", load average {load:g} at the end" if isinstance(load, (int, float)) else ""
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Benchmark results",
         "",
         f"Made by `{report['command']}` on {report['generated']} "
         f"({report['machine']['cpus']} CPUs, Python {report['machine']['python']}"
-        f"{', quick mode: scaled down' if report['quick'] else ''}).",
+        f"{_load_note(report)}{', quick mode: scaled down' if report['quick'] else ''}"
+        f"{', PARTIAL: the run was cut short' if report.get('partial') else ''}).",
         "Each table holds every figure the bench printed; the command above it reproduces it.",
         "",
         "## Targets",
@@ -351,6 +321,28 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append("No figures: the bench printed no JSON line (see latest.json for its stderr).")
         lines.append("")
     return "\n".join(lines)
+
+
+def _report(args: argparse.Namespace, argv: Sequence[str] | None, results: list[Any], partial: bool) -> dict[str, Any]:
+    own = ["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]
+    return {
+        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(p) for p in own),
+        "quick": args.quick,
+        "partial": partial,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "loadavg_1m": round(os.getloadavg()[0], 2),
+        },
+        "benches": results,
+    }
+
+
+def _write(out_dir: Path, report: dict[str, Any]) -> None:
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -391,16 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         results.append(result)
-    own = ["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]
-    report = {
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(p) for p in own),
-        "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-        "benches": results,
-    }
-    (out_dir / "latest.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "latest.md").write_text(markdown(report), encoding="utf-8")
+        _write(out_dir, _report(args, argv, results, partial=True))  # a run cut short keeps what it measured
+    report = _report(args, argv, results, partial=False)
+    _write(out_dir, report)
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
     if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):
         print("run_all: rewrote the benchmark block of README.md", file=sys.stderr)

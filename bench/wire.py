@@ -23,14 +23,13 @@ import msgspec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from bench._common import emit  # noqa: E402
+from bench._common import emit, with_targets  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
 
 
 def _load_sglang_kv_events() -> Any:
-    from sglang_real import load_kv_events  # tests/sglang_real.py: the real SGLang module on CPU
+    from bench.sglang_loader import load_kv_events  # the real SGLang module on CPU
 
     return load_kv_events()
 
@@ -120,18 +119,20 @@ def main(argv: list[str] | None = None) -> int:
             args.rounds,
         )
         emit(
-            {
-                "bench": "wire",
-                "encoding": encoding,
-                "decode_batches_per_s": round(rates["decode"], 1),
-                "encode_batches_per_s": round(rates["encode"], 1),
-                "events_per_batch": args.events,
-                "blocks_per_event": args.blocks_per_event,
-                "payload_bytes": sum(map(len, payloads)) // len(payloads),
-                "baseline_decode_batches_per_s": round(rates["baseline"], 1),
-                "decode_ratio": round(rates["decode"] / rates["baseline"], 3),
-                "slow_path_batches": decoder.stats.slow_path,
-            }
+            with_targets(
+                {
+                    "bench": "wire",
+                    "encoding": encoding,
+                    "decode_batches_per_s": round(rates["decode"], 1),
+                    "encode_batches_per_s": round(rates["encode"], 1),
+                    "events_per_batch": args.events,
+                    "blocks_per_event": args.blocks_per_event,
+                    "payload_bytes": sum(map(len, payloads)) // len(payloads),
+                    "baseline_decode_batches_per_s": round(rates["baseline"], 1),
+                    "decode_ratio": round(rates["decode"] / rates["baseline"], 3),
+                    "slow_path_batches": decoder.stats.slow_path,
+                }
+            )
         )
     return 0
 

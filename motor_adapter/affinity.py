@@ -247,6 +247,15 @@ class KvAffinity:
             return {}
         return self.index.query_keys(keys, instances=known)
 
+    def best_for_keys(self, keys: list[int]) -> Mapping[str, tuple[int, TierCounts]] | None:
+        """Per followed instance holding block 0, ``(engine rank, hit)`` of its best rank under
+        any non-negative weights - when only the NPU tier holds blocks; else ``None`` (fold
+        :meth:`hits_for_keys` instead).  The HTTP hot path's one-pass walk."""
+        known = self._known
+        if not known or not keys:
+            return {}
+        return self.index.deepest_npu(keys, known)
+
     def select(
         self,
         candidates: Sequence[Candidate],

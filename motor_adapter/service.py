@@ -33,6 +33,7 @@ from typing import Annotated, Any, Union
 
 import msgspec
 from aiohttp import web
+from xxhash import xxh3_128_intdigest as _xxh3_128
 
 from motor_adapter import metrics
 from motor_adapter.affinity import KvAffinity, decision_logger
@@ -513,43 +514,35 @@ class AdapterState:
         keys = chain_hashes(local_hashes)
         return self._keys_response(model, tenant, block_size, keys, len(keys), started)
 
+    def query_keys(
+        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float | None = None
+    ) -> dict[str, Any]:
+        """``/query``'s answer for a prompt's chained block keys (``blocks`` full blocks asked)."""
+        return self._keys_response(model, tenant, block_size, keys, blocks, started or time.perf_counter())
+
     def _keys_response(
         self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
     ) -> dict[str, Any]:
         """``conductor_response(*instance_hits(..), fold=True)`` fused for the hot path (same JSON)."""
         view = self._view(model, tenant, block_size)
-        raw = view.affinity.hits_for_keys(keys) if view.affinity is not None else {}
-        cfg = self.scoring_config(block_size)
-        out: dict[str, dict[str, Any]] = {}
-        observed: list[tuple[str, str, int, TierCounts]] = []  # (instance, dp key, engine rank, hit) for metrics
-        for plan in view.plans:
-            if plan.single:
-                found = best_rank(raw.get(plan.streams[0][1], _NO_HITS), cfg) if plan.streams else None
-                if found is None:
-                    entry = dp_entry(None, None, block_size)
-                else:
-                    entry = dp_entry(found[1], found[0], block_size)
-                    observed.append((plan.instance, plan.keys[0], found[0], found[1]))
-                out[plan.instance] = {"longest_matched": entry["matched_tokens"], "DP": {plan.keys[0]: entry}}
-                continue
-            per_dp: dict[int, TierCounts] = {}
-            for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
-                found = best_rank(raw.get(stream, _NO_HITS), cfg)
-                if found is not None:
-                    per_dp[dp] = found[1]
-            entries: dict[str, dict[str, Any]] = {}
-            longest = 0
-            for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
-                hit = per_dp.get(dp)
-                if hit is None:
-                    entries[dp_key] = dp_entry(None, dp, block_size)
-                    continue
-                entry = entries[dp_key] = dp_entry(hit, dp, block_size)
-                longest = max(longest, entry["matched_tokens"])
-                observed.append((plan.instance, dp_key, dp, hit))
-            out[plan.instance] = {"longest_matched": longest, "DP": entries}
+        out, observed = _conductor_answer(view.plans, self._best_ranks(view, keys, block_size), block_size)
         self.metrics.observe_hits(model, observed, blocks, started, block_size)
         return {tenant: out}
+
+    def _best_ranks(self, view: _View, keys: list[int], block_size: int) -> Mapping[str, tuple[int, TierCounts]]:
+        """Per stream holding block 0: ``(engine rank, hit)`` of its best rank (``best_rank``)."""
+        if view.affinity is None:
+            return {}
+        best = view.affinity.best_for_keys(keys)  # one pass while only NPU holds blocks
+        if best is not None:
+            return best
+        cfg = self.scoring_config(block_size)
+        out: dict[str, tuple[int, TierCounts]] = {}
+        for stream, ranks in view.affinity.hits_for_keys(keys).items():
+            found = best_rank(ranks, cfg)
+            if found is not None:
+                out[stream] = (found[0], found[1])
+        return out
 
     def select(
         self,
@@ -655,7 +648,40 @@ class AdapterState:
         return self.metrics.render(self.stream_health(), self.registrations())
 
 
-_NO_HITS: Mapping[int, TierCounts] = {}
+def _conductor_answer(
+    plans: Sequence[_Plan], best: Mapping[str, tuple[int, TierCounts]], block_size: int
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int, TierCounts]]]:
+    """``/query``'s per-instance entries from each stream's best rank, and the hits listed
+    (instance, dp key, engine rank, hit) for the metrics.  Every registered dp is listed."""
+    out: dict[str, dict[str, Any]] = {}
+    observed: list[tuple[str, str, int, TierCounts]] = []
+    for plan in plans:
+        if plan.single:  # one endpoint: its engine ranks fold into the registered dp
+            found = best.get(plan.streams[0][1]) if plan.streams else None
+            if found is None:
+                entry = dp_entry(None, None, block_size)
+            else:
+                entry = dp_entry(found[1], found[0], block_size)
+                observed.append((plan.instance, plan.keys[0], found[0], found[1]))
+            out[plan.instance] = {"longest_matched": entry["matched_tokens"], "DP": {plan.keys[0]: entry}}
+            continue
+        per_dp: dict[int, TierCounts] = {}
+        for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
+            found = best.get(stream)
+            if found is not None:
+                per_dp[dp] = found[1]
+        entries: dict[str, dict[str, Any]] = {}
+        longest = 0
+        for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
+            hit = per_dp.get(dp)
+            if hit is None:
+                entries[dp_key] = dp_entry(None, dp, block_size)
+                continue
+            entry = entries[dp_key] = dp_entry(hit, dp, block_size)
+            longest = max(longest, entry["matched_tokens"])
+            observed.append((plan.instance, dp_key, dp, hit))
+        out[plan.instance] = {"longest_matched": longest, "DP": entries}
+    return out, observed
 
 
 # --------------------------------------------------------------------------- metrics
@@ -783,10 +809,72 @@ def _as_dict(value: Any) -> Any:
 
 
 _ENCODER = msgspec.json.Encoder()
+_MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 
 
 def _json_response(data: Any) -> web.Response:
     return web.Response(body=_ENCODER.encode(data), content_type="application/json")
+
+
+def _answer(request: web.Request, data: Any) -> web.Response:
+    """A query answer: msgpack when the client's Accept names a msgpack type, else JSON."""
+    accept = request.headers.get("Accept")
+    if accept and "msgpack" in accept and any(kind in accept for kind in MSGPACK_TYPES):
+        return web.Response(body=_MSGPACK_ENCODER.encode(data), content_type=MSGPACK_TYPES[0])
+    return _json_response(data)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    """What a ``/query`` body asks, hashed: the part of a query that depends on the body alone."""
+
+    model: str
+    tenant: str
+    block_size: int
+    keys: list[int]  # shared by every hit of the cache: never mutated
+    blocks: int
+
+
+class _PromptCache:
+    """Hashed ``/query`` bodies by their exact bytes: a prompt sent again (a retry, a repeated
+    prompt, several routers asking for the same request) skips decoding, tokenizing and
+    hashing. Keyed by XXH3-128 of the body, confirmed by comparing the stored body (a
+    collision is a miss, never a wrong answer). Bounded in entries and bytes, least recently
+    used first out. Only touched from the event loop thread."""
+
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 32 << 20) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: dict[tuple[int, bool], tuple[bytes, _Prompt]] = {}
+        self._bytes = 0
+
+    @staticmethod
+    def key(raw: bytes, is_msgpack: bool) -> tuple[int, bool]:
+        return _xxh3_128(raw), is_msgpack
+
+    def get(self, key: tuple[int, bool], raw: bytes) -> _Prompt | None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return None
+        self._entries[key] = entry  # most recent last
+        return entry[1] if entry[0] == raw else None
+
+    def put(self, key: tuple[int, bool], raw: bytes, prompt: _Prompt) -> None:
+        size = _entry_bytes(raw, prompt)
+        if size > self.max_bytes // 8:
+            return  # one huge body must not flush the cache
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= _entry_bytes(*old)
+        self._entries[key] = (raw, prompt)
+        self._bytes += size
+        while self._bytes > self.max_bytes or len(self._entries) > self.max_entries:
+            oldest = next(iter(self._entries))
+            self._bytes -= _entry_bytes(*self._entries.pop(oldest))
+
+
+def _entry_bytes(raw: bytes, prompt: _Prompt) -> int:
+    return len(raw) + 8 * len(prompt.keys)
 
 
 def _error(status: int, reason: str, detail: str) -> web.Response:
@@ -801,6 +889,7 @@ class _Handlers:
         self._msgpack = msgspec.msgpack.Decoder()
         self._query_json = msgspec.json.Decoder(QueryBody)
         self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
+        self._prompts = _PromptCache()
         self._register_lock = asyncio.Lock()
 
     async def body(self, request: web.Request) -> dict[str, Any]:
@@ -814,6 +903,11 @@ class _Handlers:
         return body
 
     async def _decode(self, request: web.Request, msgpack_decoder: Any, json_decoder: Any) -> Any:
+        raw, is_msgpack = await self._raw(request)
+        return self._parse(raw, is_msgpack, msgpack_decoder, json_decoder)
+
+    async def _raw(self, request: web.Request) -> tuple[bytes, bool]:
+        """The body (bounded) and whether it is msgpack."""
         limit = self.config.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise RequestError(413, "body_too_large", f"{request.content_length} bytes > limit {limit}")
@@ -823,7 +917,10 @@ class _Handlers:
             raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
         if len(raw) > limit:
             raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
-        is_msgpack = request.content_type in MSGPACK_TYPES
+        return raw, request.content_type in MSGPACK_TYPES
+
+    @staticmethod
+    def _parse(raw: bytes, is_msgpack: bool, msgpack_decoder: Any, json_decoder: Any) -> Any:
         try:
             return msgpack_decoder.decode(raw) if is_msgpack else json_decoder.decode(raw)
         except msgspec.ValidationError as exc:  # well-formed, wrong shape: name the field
@@ -878,13 +975,22 @@ class _Handlers:
         return await asyncio.to_thread(self.state.tokens_of, model, body)  # tokenizers are slow
 
     async def query(self, request: web.Request) -> web.Response:
-        body = await self.query_body(request)
-        model, tenant, block_size = body.common()
-        tokens: Sequence[int] | None = body.token_ids
-        if tokens is None:
-            fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
-            tokens = await asyncio.to_thread(self.state.tokens_of, model, fields)
-        return _json_response(self.state.query(model, tenant, block_size, u32_tokens(tokens)))
+        raw, is_msgpack = await self._raw(request)
+        started = time.perf_counter()
+        cache_key = self._prompts.key(raw, is_msgpack)
+        prompt = self._prompts.get(cache_key, raw)
+        if prompt is None:
+            body: QueryBody = self._parse(raw, is_msgpack, self._query_msgpack, self._query_json)
+            model, tenant, block_size = body.common()
+            tokens: Sequence[int] | None = body.token_ids
+            if tokens is None:
+                fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
+                tokens = await asyncio.to_thread(self.state.tokens_of, model, fields)
+            keys = sequence_keys(u32_tokens(tokens), block_size)
+            prompt = _Prompt(model, tenant, block_size, keys, len(tokens) // block_size)
+            self._prompts.put(cache_key, raw, prompt)
+        p = prompt
+        return _answer(request, self.state.query_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started))
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         body = await self.query_body(request)
@@ -894,7 +1000,7 @@ class _Handlers:
         if any(not _I64_MIN <= h <= _U64_MASK for h in body.block_hashes):
             raise RequestError(400, "bad_field", "block_hashes must hold 64-bit integers (u64, or i64)")
         hashes = [h & _U64_MASK for h in body.block_hashes]
-        return _json_response(self.state.query_by_hash(model, tenant, block_size, hashes))
+        return _answer(request, self.state.query_by_hash(model, tenant, block_size, hashes))
 
     async def select(self, request: web.Request) -> web.Response:
         body = await self.body(request)

@@ -37,13 +37,13 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from sglang_kvpub.hashing import BASE_SEED, chain_hashes, chain_next, local_block_hashes, lora_seed, tokens_u32
+from sglang_kvpub.hashing import BASE_SEED, lora_seed, tokens_u32
 from sglang_kvpub.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
 
@@ -100,8 +100,6 @@ CONTROLLER_ATTR = "kvpub_dispatcher"
 LOCAL_INSTANCE = "local"
 SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
 _NO_HIT = (0, 0, 0)
-_FIRST_CHUNK_BLOCKS = 16  # then doubling: a shallow hit hashes little, a deep one ~once
-_LITTLE = sys.byteorder == "little"  # u32 views of tokens_u32 bytes are native-order
 
 
 # --------------------------------------------------------------------------- decisions
@@ -352,34 +350,14 @@ class CacheAwareDispatcher:
         return min(round(weighted * self.block_size), isl)
 
     def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, tuple[int, int, int]]:
-        """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0."""
-        return self.index.longest_prefixes(self.instance, self._keys(token_ids, lora_name))
-
-    def _keys(self, token_ids: Sequence[int], lora_name: str | None) -> Iterator[int]:
-        """The prompt's block keys, hashed only as far as the index walk pulls them: block 0
-        now (outside the index lock), later blocks in growing chunks while some rank still
-        holds the prefix (a cold or short hit stops early; a long hit costs ~one pass)."""
-        block_size = self.block_size
+        """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0.
+        The prompt is converted to u32 once (SGLang's ``array("q")`` costs a conversion);
+        its blocks are hashed as the index walk reaches them, so a cold prompt hashes one
+        block and a hit little more than its depth."""
+        blocks = len(token_ids) // self.block_size
+        raw = memoryview(tokens_u32(token_ids, blocks * self.block_size)).cast("B")  # slices copy nothing
         seed = lora_seed(lora_name) if lora_name else BASE_SEED
-        blocks = len(token_ids) // block_size
-        tokens: Sequence[int] = token_ids
-        if _LITTLE and blocks > 1:
-            # u32 once (SGLang's array("q") costs a conversion), zero-copy slices after
-            tokens = memoryview(tokens_u32(token_ids, blocks * block_size)).cast("I")
-        first = chain_next(seed, local_block_hashes(tokens, block_size, seed, max_blocks=1)[0])
-        return self._chain(tokens, blocks, seed, first)
-
-    def _chain(self, tokens: Sequence[int], blocks: int, seed: int, key: int) -> Iterator[int]:
-        yield key
-        block_size = self.block_size
-        start, end = 1, _FIRST_CHUNK_BLOCKS
-        while start < blocks:
-            end = min(end, blocks)
-            chunk = local_block_hashes(tokens[start * block_size : end * block_size], block_size, seed)
-            keys = chain_hashes(chunk, key)
-            key = keys[-1]
-            yield from keys
-            start, end = end, 2 * end
+        return self.index.longest_prefixes_u32(self.instance, raw, blocks, seed)
 
     def _hotspot(self, spread: float, mean: float) -> bool:
         """Whether the chosen rank, ``spread`` above the least loaded, is a hot spot."""

@@ -27,6 +27,7 @@ __all__ = [
     "BASE_SEED",
     "chain_hashes",
     "chain_next",
+    "chained_block_keys",
     "local_block_hash",
     "local_block_hashes",
     "lora_seed",
@@ -187,6 +188,22 @@ def sequence_keys(
     append = keys.append
     key = seed
     for i in range(0, end, step):
+        key = _xxh3(_pack_u64(_xxh3(raw[i : i + step], seed)), key)
+        append(key)
+    return keys
+
+
+def chained_block_keys(
+    raw: bytes | memoryview, block_size: int, seed: int, parent_key: int, start: int, end: int
+) -> list[int]:
+    """Chained keys of blocks ``start..end-1`` of u32 bytes ``raw`` (:func:`tokens_u32`),
+    block ``start`` hanging under ``parent_key``: one slice of :func:`sequence_keys`, for
+    callers that hash a prompt a chunk at a time (pass a memoryview: slices are not copied)."""
+    step = block_size * 4
+    keys: list[int] = []
+    append = keys.append
+    key = parent_key
+    for i in range(start * step, end * step, step):
         key = _xxh3(_pack_u64(_xxh3(raw[i : i + step], seed)), key)
         append(key)
     return keys

@@ -11,12 +11,14 @@ is an opaque id, kept per worker ``(instance, dp_rank)`` and per tier only to re
 ``parent_block_hash`` and removals.  Engine hashes are normalised to u64, so an engine
 that sends i64 and one that sends u64 forms of the same value are the same block.
 
-Layout.  Workers get small integer ids (recycled by :meth:`PrefixIndex.clear_instance`,
-lowest first, to keep masks short).  Per tier, one dict maps a key to the workers holding
-it: ``~wid`` (a negative int) for a single holder - most blocks have one, and a small int
-costs far less than a wide bitmask - else an int bitmask of two or more.  Per worker and
-tier, one dict maps engine hash -> key.  A query walks the prompt's keys once, ANDing
-masks, and only touches individual workers when they leave a tier phase.
+Layout.  Workers get small integer ids in pages of 8 per instance (one byte of a mask
+belongs to one instance, so a query's hits are emitted a byte at a time), recycled by
+:meth:`PrefixIndex.clear_instance`, lowest page first, to keep masks short.  Per tier,
+one dict maps a key to the workers holding it: ``~wid`` (a negative int) for a single
+holder - most blocks have one, and a small int costs far less than a wide bitmask - else
+an int bitmask of two or more.  Per worker and tier, one dict maps engine hash -> key.
+A query walks the prompt's keys once, ANDing masks, and only touches individual workers
+when they leave a tier phase.
 
 Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
 CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
@@ -33,8 +35,9 @@ their ancestors.  A child whose ancestor was evicted first can remain indexed, b
 never be a hit: a query walks from block 0 and stops at the first missing key; the child
 ages out in turn.
 
-Threads.  One lock, held for a whole batch or one query walk (hashing of the query's
-tokens happens outside it).  Any number of writer threads (one per stream) and reader
+Threads.  One lock, held for a whole batch or one query walk (a query of token ids
+hashes them under it, a chunk at a time as the walk reaches them, so hashing stops at the
+first block no worker holds).  Any number of writer threads (one per stream) and reader
 threads may call in; a query sees each batch either entirely or not at all.
 """
 
@@ -48,7 +51,15 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
-from .hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
+from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chaining
+    BASE_SEED,
+    _pack_u64,
+    _xxh3,
+    chained_block_keys,
+    lora_seed,
+    sequence_keys,
+    tokens_u32,
+)
 from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
@@ -69,6 +80,8 @@ TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
 TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
 _U64 = (1 << 64) - 1
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
+_FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
+_PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
 
 # Names seen from SGLang, vLLM, LMCache and Motor's conductor configuration.
 _MEDIUM_TIERS = {
@@ -195,6 +208,36 @@ def _recorded(keys: Iterable[int], into: list[int]) -> Iterator[int]:
         yield key
 
 
+def _token_key_chunks(tokens: Sequence[int], block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
+    """:func:`_key_chunks` of token ids: a list is packed a chunk at a time, a buffer at once
+    (a 4-byte one without copying)."""
+    if type(tokens) is not list:
+        yield from _key_chunks(memoryview(tokens_u32(tokens, blocks * block_size)).cast("B"), block_size, seed, blocks)
+        return
+    key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
+    while start < blocks:
+        end = min(end, blocks)
+        raw = tokens_u32(tokens[start * block_size : end * block_size])
+        keys = chained_block_keys(raw, block_size, seed, key, 0, end - start)
+        key = keys[-1]
+        yield keys
+        start, end = end, 2 * end
+
+
+def _key_chunks(raw: memoryview, block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
+    """A prompt's chained keys in growing chunks (16 blocks, then doubling), hashed lazily."""
+    key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
+    while start < blocks:
+        end = min(end, blocks)
+        keys = chained_block_keys(raw, block_size, seed, key, start, end)
+        key = keys[-1]
+        yield keys
+        start, end = end, 2 * end
+
+
+_BYTE_BITS = tuple(tuple(bit for bit in range(8) if byte >> bit & 1) for byte in range(256))
+
+
 def _bits(mask: int) -> Iterator[int]:
     """Positions of the set bits of ``mask``, lowest first."""
     while mask:
@@ -219,8 +262,12 @@ class PrefixIndex:
         self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> holders (see _mask)
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._by_wid: list[_Worker | None] = []
-        self._free_wids: list[int] = []
+        self._rank_of: list[int] = []  # wid -> dp_rank (hot emission path)
+        self._pages: list[str] = []  # wid // 8 -> the instance owning those 8 worker ids ("": free)
+        self._free_pages: list[int] = []  # heap: lowest first, to keep masks short
+        self._inst_pages: dict[str, list[int]] = {}
         self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
+        self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -268,8 +315,12 @@ class PrefixIndex:
                 for tier in range(3):
                     self._clear_tier(worker, tier)
                 self._by_wid[worker.wid] = None
-                self._inst_masks.pop(instance, None)
-                heapq.heappush(self._free_wids, worker.wid)
+                self._rank_of[worker.wid] = -1
+            self._inst_masks.pop(instance, None)
+            self._allowed = ((), 0)
+            for page in self._inst_pages.pop(instance, []):
+                self._pages[page] = ""
+                heapq.heappush(self._free_pages, page)
             self._size_logged.discard(instance)
 
     # ------------------------------------------------------------------ readers
@@ -277,7 +328,20 @@ class PrefixIndex:
     def query(
         self, token_ids: Sequence[int], lora_name: str | None = None, instances: Collection[str] | None = None
     ) -> dict[str, dict[int, TierHit]]:
-        """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0."""
+        """``instance -> dp_rank -> TierHit`` for every rank holding at least block 0.
+
+        While only the NPU tier holds blocks, the prompt is hashed a chunk at a time as the
+        walk reaches it: hashing stops at the first block no worker holds."""
+        blocks = len(token_ids) // self.block_size
+        if blocks:
+            seed = lora_seed(lora_name) if lora_name else BASE_SEED
+            with self._lock:
+                if not (self._masks[1] or self._masks[2]):
+                    self._queries += 1
+                    allowed = None if instances is None else self._instance_mask(instances)
+                    if allowed == 0:
+                        return {}
+                    return self._query_npu(_token_key_chunks(token_ids, self.block_size, seed, blocks), allowed)
         return self.query_keys(sequence_keys(token_ids, self.block_size, lora_name), instances)
 
     def query_keys(
@@ -291,10 +355,122 @@ class PrefixIndex:
             allowed = None if instances is None else self._instance_mask(instances)
             if allowed == 0:
                 return {}
+            if not (self._masks[1] or self._masks[2]):
+                return self._query_npu((keys,), allowed)
             records, depth = self._walk(keys, allowed)
-            if self.capacity_blocks is not None and depth:
+            if depth and self._refresh():
                 self._touch(keys[:depth])
             return self._resolve(records)
+
+    def deepest_npu(self, keys: Sequence[int], instances: Collection[str]) -> dict[str, tuple[int, TierHit]] | None:
+        """``instance -> (dp_rank, hit)``: per instance of ``instances``, its rank holding the
+        longest prefix of ``keys`` (the lowest rank among equals), for instances holding
+        block 0.  That is the fold of :meth:`query_keys` under any non-negative tier weights
+        when only the NPU tier holds blocks; ``None`` when a CPU or disk tier holds any (then
+        ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits."""
+        with self._lock:
+            if self._masks[1] or self._masks[2]:
+                return None
+            self._queries += 1
+            if not keys:
+                return {}
+            allowed = self._instance_mask(instances)
+            get = self._masks[0].get
+            holders = get(keys[0], 0)
+            held = allowed & (holders if holders >= 0 else 1 << ~holders)
+            if not held:
+                return {}
+            leaves: list[tuple[int, int]] = []  # (position, workers whose prefix ends there)
+            position = 1
+            for key in islice(keys, 1, None):
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    leaves.append((position, held ^ kept))
+                    if not kept:
+                        break
+                    held = kept
+                position += 1
+            else:
+                leaves.append((position, held))
+            if self._refresh():
+                self._touch(keys[:position])
+            return self._deepest(leaves)
+
+    def _query_npu(self, chunks: Iterable[Sequence[int]], allowed: int | None) -> dict[str, dict[int, TierHit]]:
+        """:meth:`query_keys` while only the NPU tier holds blocks (under the lock), over
+        consecutive chunks of the keys (pulled lazily): one mask per position; a worker's hit
+        is the position where it leaves the mask."""
+        get = self._masks[0].get
+        held = allowed if allowed is not None else (1 << len(self._by_wid)) - 1
+        out: dict[str, dict[int, TierHit]] = {}
+        seen: list[Sequence[int]] = []
+        position = 0
+        for chunk in chunks:
+            seen.append(chunk)
+            for key in chunk:
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    if position:
+                        self._emit_hits(out, held ^ kept, position)
+                    if not kept:
+                        break
+                    held = kept
+                position += 1
+            else:
+                continue
+            break
+        else:
+            if position:
+                self._emit_hits(out, held, position)
+        if position and self._refresh():
+            self._touch(list(islice(chain.from_iterable(seen), position)))
+        return out
+
+    def _emit_hits(self, out: dict[str, dict[int, TierHit]], mask: int, position: int) -> None:
+        """Workers of ``mask`` hold ``position`` blocks.  A mask byte is one page of one
+        instance's worker ids, so the hits go in a byte (a dict comprehension) at a time."""
+        hit = self._hit(position, 0, 0)
+        rank_of = self._rank_of
+        pages = self._pages
+        for page, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) // 8, "little")):
+            if byte:
+                base = page * _PAGE
+                fresh = {rank_of[base + bit]: hit for bit in _BYTE_BITS[byte]}
+                instance = pages[page]
+                ranks = out.get(instance)
+                if ranks is None:
+                    out[instance] = fresh
+                else:
+                    ranks.update(fresh)
+
+    def _deepest(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+        """Per instance its deepest leaver (lowest rank among equals): deepest first, and an
+        instance once found masks all its workers out of the shallower records."""
+        best: dict[str, tuple[int, TierHit]] = {}
+        by_wid = self._by_wid
+        inst_masks = self._inst_masks
+        done = 0
+        for position, left in reversed(leaves):
+            mask = left & ~done
+            if not mask:
+                continue
+            hit = self._hit(position, 0, 0)
+            found: dict[str, int] = {}
+            while mask:
+                low = mask & -mask
+                mask ^= low
+                worker = by_wid[low.bit_length() - 1]
+                if worker is None:
+                    continue
+                rank = found.get(worker.instance)
+                if rank is None or worker.dp_rank < rank:
+                    found[worker.instance] = worker.dp_rank
+            for instance, rank in found.items():
+                best[instance] = (rank, hit)
+                done |= inst_masks.get(instance, 0)
+        return best
 
     def longest_prefixes(self, instance: str, keys: Iterable[int]) -> dict[int, tuple[int, int, int]]:
         """``dp_rank -> (npu, cpu, disk)`` blocks for every rank of ``instance`` holding at
@@ -304,21 +480,70 @@ class PrefixIndex:
         ``keys`` may be a lazy iterator (e.g. chaining ``hashing.chain_next`` as it goes):
         it is consumed under the index lock, and only up to the first key no rank of the
         instance holds in any tier - the keys after it cannot change the answer."""
+        return self.longest_prefixes_chunked(instance, ((key,) for key in keys))
+
+    def longest_prefixes_u32(
+        self, instance: str, raw: memoryview, blocks: int, seed: int = BASE_SEED
+    ) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes` of a prompt given as u32 bytes (``hashing.tokens_u32``,
+        ``blocks`` full blocks, hashed with ``seed``): each block is hashed and chained
+        (:func:`hashing.sequence_keys`) as the walk reaches it, so the hashing stops at the
+        first block no rank of ``instance`` holds.  The dispatcher's hot path: hashing and
+        walk in one loop while only NPU holds blocks."""
+        with self._lock:
+            if not (self._masks[1] or self._masks[2]):
+                return self._walk_u32(instance, raw, blocks, seed)
+        return self.longest_prefixes_chunked(instance, _key_chunks(raw, self.block_size, seed, blocks))
+
+    def _walk_u32(self, instance: str, raw: memoryview, blocks: int, seed: int) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes_u32` over the NPU tier alone (under the lock)."""
+        self._queries += 1
+        held = self._inst_masks.get(instance, 0)
+        out: dict[int, tuple[int, int, int]] = {}
+        if not held:
+            return out
+        get = self._masks[0].get
+        step = self.block_size * 4
+        key = seed
+        position = 0
+        for start in range(0, blocks * step, step):
+            key = _xxh3(_pack_u64(_xxh3(raw[start : start + step], seed)), key)  # = hashing.sequence_keys
+            holders = get(key, 0)
+            kept = held & (holders if holders >= 0 else 1 << ~holders)
+            if kept != held:
+                if position:
+                    self._emit_npu(out, held ^ kept, position)
+                if not kept:
+                    break
+                held = kept
+            position += 1
+        else:
+            if position:
+                self._emit_npu(out, held, position)
+        if position and self._refresh():
+            self._touch(chained_block_keys(raw, self.block_size, seed, seed, 0, position))
+        return out
+
+    def longest_prefixes_chunked(
+        self, instance: str, chunks: Iterable[Sequence[int]]
+    ) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes` over consecutive chunks of the keys (a lazy iterator of
+        lists: the dispatcher hashes a chunk at a time); no chunk is pulled after the one
+        holding the first key no rank of ``instance`` holds."""
         with self._lock:
             self._queries += 1
             allowed = self._inst_masks.get(instance, 0)
             if not allowed:
                 return {}
-            walked: list[int] | None = None if self.capacity_blocks is None else []
             if self._masks[1] or self._masks[2]:
                 pulled: list[int] = []
-                records, depth = self._walk(_recorded(keys, pulled), allowed)
+                records, depth = self._walk(_recorded(chain.from_iterable(chunks), pulled), allowed)
                 out = self._resolve_ranks(records)
-                if walked is not None:
-                    walked = pulled[:depth]
+                walked = pulled[:depth]
             else:
-                out = self._walk_npu(keys, allowed, walked)
-            if walked:
+                out, seen, depth = self._walk_npu(chunks, allowed)
+                walked = list(islice(chain.from_iterable(seen), depth)) if depth and self._refresh() else []
+            if walked and self._refresh():
                 self._touch(walked)
             return out
 
@@ -364,16 +589,34 @@ class PrefixIndex:
     def _worker(self, instance: str, dp_rank: int) -> _Worker:
         worker = self._workers.get((instance, dp_rank))
         if worker is None:
-            if self._free_wids:
-                wid = heapq.heappop(self._free_wids)
-            else:
-                wid = len(self._by_wid)
-                self._by_wid.append(None)
+            wid = self._free_wid(instance)
             worker = _Worker(wid, instance, dp_rank)
             self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
+            self._allowed = ((), 0)
             self._by_wid[wid] = worker
+            self._rank_of[wid] = dp_rank
             self._workers[(instance, dp_rank)] = worker
         return worker
+
+    def _free_wid(self, instance: str) -> int:
+        """A free worker id in a page (8 ids, one byte of a mask) of ``instance``, taking a new
+        page when its pages are full: a mask byte then belongs to one instance (see
+        :meth:`_emit_hits`)."""
+        pages = self._inst_pages.setdefault(instance, [])
+        for page in pages:
+            for wid in range(page * _PAGE, page * _PAGE + _PAGE):
+                if self._by_wid[wid] is None:
+                    return wid
+        if self._free_pages:
+            page = heapq.heappop(self._free_pages)
+        else:
+            page = len(self._pages)
+            self._pages.append("")
+            self._by_wid.extend([None] * _PAGE)
+            self._rank_of.extend([-1] * _PAGE)
+        self._pages[page] = instance
+        pages.append(page)
+        return page * _PAGE
 
     def _apply(self, worker: _Worker, event: Event, result: ApplyResult) -> None:
         if type(event) is BlockStored:
@@ -421,7 +664,8 @@ class PrefixIndex:
                 self._orphan(worker, event, result)
                 return
             parent_key, parent_tier = found
-        keys = chain_hashes(local_block_hashes(event.token_ids, self.block_size, seed), parent_key)
+        count = len(event.block_hashes)
+        keys = chained_block_keys(tokens_u32(event.token_ids), self.block_size, seed, parent_key, 0, count)
         tier = self._tier(event.medium)
         mapping = worker.maps[tier]
         masks = self._masks[tier]
@@ -429,6 +673,10 @@ class PrefixIndex:
         bit = worker.bit
         single = worker.single
         lru = self.capacity_blocks is not None
+        if not lru and self._store_new(worker, tier, event.block_hashes, keys):
+            self._entries[tier] += count
+            result.stored += count
+            return
         added = 0
         pairs = zip(event.block_hashes, keys, strict=True)
         for engine_hash, key in reversed(list(pairs)) if lru else pairs:
@@ -458,6 +706,30 @@ class PrefixIndex:
             parent_masks = self._masks[parent_tier]
             if parent_key in parent_masks:
                 parent_masks[parent_key] = parent_masks.pop(parent_key)
+
+    def _store_new(self, worker: _Worker, tier: int, block_hashes: Sequence[int], keys: list[int]) -> bool:
+        """:meth:`_store` without LRU when every engine hash is new to the worker's tier (the
+        usual case): the hash -> key map grows in one C call.  False, touching nothing, when
+        some hash is already known (the general loop then replaces or skips it)."""
+        hashes = block_hashes if min(block_hashes, default=0) >= 0 else [h & _U64 for h in block_hashes]
+        mapping = worker.maps[tier]
+        if not mapping.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
+            return False
+        mapping.update(zip(hashes, keys, strict=True))
+        masks = self._masks[tier]
+        get = masks.get
+        bit = worker.bit
+        single = worker.single
+        dups = worker.dups[tier]
+        for key in keys:
+            holders = get(key, 0)
+            if not holders:
+                masks[key] = single
+            elif (holders if holders >= 0 else 1 << ~holders) & bit:
+                dups[key] = dups.get(key, 0) + 1
+            else:
+                masks[key] = (holders if holders >= 0 else 1 << ~holders) | bit
+        return True
 
     def _orphan(self, worker: _Worker, event: BlockStored, result: ApplyResult) -> None:
         result.orphans += 1
@@ -558,6 +830,12 @@ class PrefixIndex:
         self._entries[tier] -= dropped
         self._evicted += dropped
 
+    def _refresh(self) -> bool:
+        """Whether a query refreshes its keys' recency: once the index holds over half its
+        capacity.  Below that no eviction is near, and the touch costs more than the walk."""
+        capacity = self.capacity_blocks
+        return capacity is not None and 2 * sum(self._entries) > capacity
+
     def _touch(self, keys: Sequence[int]) -> None:
         for masks in self._masks:
             if masks:
@@ -569,9 +847,14 @@ class PrefixIndex:
     # ------------------------------------------------------------------ query walk
 
     def _instance_mask(self, instances: Collection[str]) -> int:
+        asked, cached = self._allowed
+        if asked is instances:  # the router asks with the same (immutable) tuple until it changes
+            return cached
         mask = 0
         for inst in set(instances):
             mask |= self._inst_masks.get(inst, 0)
+        if type(instances) is tuple:
+            self._allowed = (instances, mask)
         return mask
 
     def _walk(self, keys: Iterable[int], allowed: int | None) -> tuple[list[tuple[int, int, int, int]], int]:
@@ -613,33 +896,32 @@ class PrefixIndex:
         records.append((end, in_npu, in_npu | in_cpu, in_npu | in_cpu | in_disk))
         return records, end
 
-    def _walk_npu(self, keys: Iterable[int], allowed: int, walked: list[int] | None) -> dict[int, tuple[int, int, int]]:
+    def _walk_npu(
+        self, chunks: Iterable[Sequence[int]], allowed: int
+    ) -> tuple[dict[int, tuple[int, int, int]], list[Sequence[int]], int]:
         """:meth:`_walk` + :meth:`_resolve_ranks` when no tier but NPU holds anything: one
-        mask per position, a rank's hit ends where it leaves the mask."""
+        mask per position, a rank's hit ends where it leaves the mask.  Also returns the
+        chunks pulled and how many leading keys some rank matched (for the recency touch)."""
         get = self._masks[0].get
         out: dict[int, tuple[int, int, int]] = {}
-        rest = iter(keys)
-        first = next(rest, None)
-        holders = 0 if first is None else get(first, 0)
-        held = allowed & (holders if holders >= 0 else 1 << ~holders)
-        if not held:
-            return out
-        if walked is not None:
-            walked.append(first)  # type: ignore[arg-type]  # held implies first is a key
-        position = 1
-        for key in rest:
-            holders = get(key, 0)
-            kept = held & (holders if holders >= 0 else 1 << ~holders)
-            if kept != held:
-                self._emit_npu(out, held ^ kept, position)
-                if not kept:
-                    return out
-                held = kept
-            if walked is not None:
-                walked.append(key)
-            position += 1
-        self._emit_npu(out, held, position)
-        return out
+        seen: list[Sequence[int]] = []
+        held = allowed
+        position = 0
+        for chunk in chunks:
+            seen.append(chunk)
+            for key in chunk:
+                holders = get(key, 0)
+                kept = held & (holders if holders >= 0 else 1 << ~holders)
+                if kept != held:
+                    if position:
+                        self._emit_npu(out, held ^ kept, position)
+                    if not kept:
+                        return out, seen, position
+                    held = kept
+                position += 1
+        if position:
+            self._emit_npu(out, held, position)
+        return out, seen, position
 
     def _emit_npu(self, out: dict[int, tuple[int, int, int]], mask: int, position: int) -> None:
         hit = (position, 0, 0)

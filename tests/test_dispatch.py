@@ -244,26 +244,25 @@ def test_decisions_equal_the_rule_on_the_general_query_on_random_data() -> None:
 
 @pytest.mark.unit
 def test_cold_prompt_hashes_only_its_first_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sglang_kvpub.dispatch as dispatch_module
+    import sglang_kvpub.index as index_module
 
     d = CacheAwareDispatcher(4, BLOCK)
     held = _tokens(6 * BLOCK)
     _store(d, 2, held[: 2 * BLOCK])
-    hashed: list[int] = []
-    real = dispatch_module.local_block_hashes
+    calls: list[int] = []
+    real = index_module._xxh3
 
-    def counting(tokens: Any, block_size: int, seed: int = 1337, max_blocks: int | None = None) -> list[int]:
-        out = real(tokens, block_size, seed, max_blocks)
-        hashed.append(len(out))
-        return out
+    def counting(data: Any, seed: int = 0) -> int:
+        calls.append(1)
+        return real(data, seed)
 
-    monkeypatch.setattr(dispatch_module, "local_block_hashes", counting)
+    monkeypatch.setattr(index_module, "_xxh3", counting)  # the walk hashes (local + chain) per block it reaches
     assert d.choose(_tokens(48 * BLOCK, salt=9), [0.0] * 4).reason == REASON_NO_HIT
-    assert sum(hashed) == 1  # block 0 held by no rank: nothing more hashed
-    hashed.clear()
+    assert len(calls) == 2  # block 0 held by no rank: nothing more hashed
+    calls.clear()
     decision = d.choose(held + _tokens(42 * BLOCK, salt=9), [0.0] * 4)
     assert (decision.rank, decision.matched_tokens) == (2, 2 * BLOCK)
-    assert sum(hashed) < 48  # the walk stopped after block 2: later chunks never hashed
+    assert len(calls) == 2 * 3  # blocks 0, 1 held; block 2 held by no rank: the walk stopped there
 
 
 # --------------------------------------------------------------------------- fan-in feed

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sglang_kvpub.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
+from sglang_kvpub.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys, tokens_u32
 from sglang_kvpub.index import (
     TIER_CPU,
     TIER_DISK,
@@ -591,6 +591,8 @@ def test_longest_prefixes_equals_query_keys_on_random_data(media: list[str], cap
                 expected = _as_tuples(idx.query_keys(cut, [inst]).get(inst, {}))
                 assert idx.longest_prefixes(inst, cut) == expected
                 assert idx.longest_prefixes(inst, iter(cut)) == expected  # a one-shot iterator too
+                raw = memoryview(tokens_u32(toks)).cast("B")
+                assert idx.longest_prefixes_u32(inst, raw, len(cut)) == expected  # hashed as it walks
 
 
 @pytest.mark.parametrize("medium", [MEDIUM_GPU, MEDIUM_CPU])

@@ -35,7 +35,7 @@ PAGE = 128
 
 PRELUDE = f"""
 import json, os, sys, time
-sys.path.insert(0, {str(TESTS_DIR)!r})
+sys.path[:0] = [{str(TESTS_DIR)!r}, {str(TESTS_DIR.parent)!r}]
 import sglang_real
 PARAMS = json.loads(os.environ["KVPUB_TEST_PARAMS"])
 """

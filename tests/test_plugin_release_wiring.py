@@ -21,7 +21,7 @@ TESTS = Path(__file__).resolve().parent
 # SGLang's real HookRegistry, the plugin enabled through its env var.
 _CHILD = """
 import json, sys, types
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]
 import sglang_real
 sglang_real.load_radix_cache()
 if {scheduler}:
@@ -35,7 +35,7 @@ print(json.dumps(sorted(HookRegistry._hooks)))
 
 def _registered_targets(scheduler: bool) -> list[str]:
     env = {**os.environ, "SGLANG_KVPUB_ENABLED": "1"}
-    code = _CHILD.format(tests=str(TESTS), scheduler=scheduler)
+    code = _CHILD.format(tests=str(TESTS), root=str(TESTS.parent), scheduler=scheduler)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     return list(json.loads(result.stdout.strip().splitlines()[-1]))

@@ -9,8 +9,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
-import rh_trees as rt
-
+from bench import rh_trees as rt
 from sglang_kvpub.reconcile import Reconciler, device_pages, drift
 from sglang_kvpub.release_hooks import tree_of
 from sglang_kvpub.wire import MEDIUM_GPU

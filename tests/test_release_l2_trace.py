@@ -22,11 +22,11 @@ pytest.importorskip("torch")
 pytest.importorskip("sglang")
 pytest.importorskip("hypothesis")
 
-import rh_trees as rt
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from bench import rh_trees as rt
 from sglang_kvpub.reconcile import Reconciler, drift
 from sglang_kvpub.release_hooks import Tracker, tree_of
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU

@@ -146,7 +146,7 @@ def test_broken_callback_does_not_stop_the_sender(channel: str) -> None:
 
 
 def ns() -> Any:
-    import rh_trees  # the real SGLang tree code loads only for the tests that need it
+    from bench import rh_trees  # the real SGLang tree code loads only for the tests that need it
 
     return rh_trees.setup()  # cached: one real-SGLang setup per process
 
@@ -217,7 +217,7 @@ def snapshot_index(ctx: zmq.Context[Any], replay_endpoint: str) -> PrefixIndex:
 
 
 def tree_truth(tree: Any) -> dict[str, set[int]]:
-    import rh_trees
+    from bench import rh_trees
 
     return {medium: {h & U64 for h in hashes} for medium, hashes in rh_trees.truth(tree).items()}
 
@@ -231,9 +231,9 @@ def prompt(i: int, length: int = 24) -> list[int]:
 def test_new_fanin_converges_through_idle_resync_on_real_tree(kind: str, ctx: zmq.Context[Any]) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sglang")
-    import rh_trees as rt
     import sglang_real
 
+    from bench import rh_trees as rt
     from sglang_kvpub.reconcile import RESYNC_FANIN, Reconciler, drift, reconcile_on_idle
     from sglang_kvpub.release_hooks import tree_of
 
@@ -346,9 +346,9 @@ def test_resync_reannounces_gpu_and_host_pages_of_real_unified_core() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sglang")
     pytest.importorskip("hypothesis")
-    import rh_trees as rt
     from test_release_l2_trace import HostDriver, _backup_all
 
+    from bench import rh_trees as rt
     from sglang_kvpub.reconcile import Reconciler, drift
 
     ns()

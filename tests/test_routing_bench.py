@@ -184,7 +184,7 @@ def _synthetic_trace(path: Path, n_groups: int = 24, turns: int = 6, seed: int =
     return path
 
 
-def test_fold_pinned_beats_round_robin_and_dp0_only_and_oracle_bounds_all(tmp_path: Path) -> None:
+def test_every_policy_runs_and_the_oracle_bounds_all(tmp_path: Path) -> None:
     trace = _synthetic_trace(tmp_path / "synthetic.jsonl")
     records = routing.load_trace(trace)
     cfg = routing.SimConfig(instances=2, ranks=4, capacity_pages=200)
@@ -197,23 +197,68 @@ def test_fold_pinned_beats_round_robin_and_dp0_only_and_oracle_bounds_all(tmp_pa
         assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
         assert 0.0 <= r["hit_ratio"] <= 1.0
         assert r["ttft_p50_s"] <= r["ttft_p90_s"]
-    fp = by["fold_pinned"]["hit_ratio"]
-    assert fp > by["round_robin"]["hit_ratio"]
-    assert fp > by["dp0_only"]["hit_ratio"]
-    assert fp > by["instance_affinity"]["hit_ratio"]
+        assert r["code"] == ("shipped" if r["policy"] in routing.SHIPPED_POLICIES else r["code"])
+        assert (r["wire_batches"] > 0) == (r["policy"] in routing.SHIPPED_POLICIES)
+    model = by["model_fold_pinned"]["hit_ratio"]
+    assert model > by["round_robin"]["hit_ratio"]
+    assert model > by["model_dp0_only"]["hit_ratio"]
+    assert model > by["model_instance_affinity"]["hit_ratio"]
+    assert by["fold_pinned_dispatch"]["hit_ratio"] > by["instance_affinity"]["hit_ratio"]  # the dispatcher finds hits
     assert by["oracle"]["hit_ratio"] >= max(r["hit_ratio"] for r in results)
     assert by["fold_pinned_dispatch"]["rr_dispatch_policy"] == "instance_affinity"
 
 
-def test_dp0_only_sees_only_rank_zero() -> None:
+def test_model_dp0_only_sees_only_rank_zero() -> None:
     cl = routing.Cluster(instances=2, ranks=4, capacity_pages=100, page_size=128, tokens_per_s=1000.0)
     req = routing.Request(arrival_s=0.0, isl=1024, keys=routing.page_keys([1, 2], 1024))
     cl.ranks[1 * 4 + 3].cache.insert(req.keys)  # instance 1, rank 3 holds the prompt
     cl.ranks[1 * 4 + 0].queued_tokens = 100  # instance 1 slightly busier
     router = routing.Router(2, 4)
-    assert router.dp0_only(cl, req) // 4 == 0  # the hit is invisible: pure load ranking
-    assert router.instance_affinity(cl, req) // 4 == 1  # the fold sees it
-    assert routing.Router(2, 4).fold_pinned(cl, req) == 7  # pinned to the holding rank
+    assert router.model_dp0_only(cl, req) // 4 == 0  # the hit is invisible: pure load ranking
+    assert router.model_instance_affinity(cl, req) // 4 == 1  # the fold sees it
+    assert routing.Router(2, 4).model_fold_pinned(cl, req) == 7  # pinned to the holding rank
+
+
+def _served(cl: Any, req: Any, flat: int) -> None:
+    """``req`` prefilled on ``flat``: its pages published when the prefill finishes."""
+    cl.dispatch(req, flat)
+    cl.advance(cl.now + 1e6)
+
+
+def test_shipped_router_and_dispatcher_learn_from_the_published_events() -> None:
+    records = [{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}]
+    (req,), _ = routing.build_requests(records, 1000.0, load=0.5)
+    feed = routing.ShippedFeed(2, 4, 128, router=True, dp0=True, dispatch=True)
+    cl = routing.Cluster(instances=2, ranks=4, capacity_pages=100, page_size=128, tokens_per_s=1000.0)
+    cl.feed = feed
+    _served(cl, req, 1 * 4 + 3)  # instance 1, rank 3 served it: BlockStored through the wire codec
+    assert feed.batches == 1
+    router = routing.Router(2, 4, feed=feed)
+    assert router.fold_pinned(cl, req) == 7  # KvAffinity.select pins the rank holding it
+    assert router.instance_affinity(cl, req) // 4 == 1
+    assert router.fold_pinned_dispatch(cl, req) == 7  # the instance's dispatcher finds it too
+    assert router.dp0_only(cl, req) // 4 in (0, 1)  # rank 0 never published it: no hit, load only
+    hits = feed.dp0.query(routing.request_tokens(req)) if feed.dp0 else None
+    assert hits == {"instance-0": {}, "instance-1": {}}
+    assert feed.router is not None
+    found = feed.router.query(routing.request_tokens(req))["instance-1"]
+    assert {rank: hit.npu_blocks for rank, hit in found.items()} == {3: 8}
+    feed.close()
+
+
+def test_evictions_reach_the_shipped_index_as_block_removed() -> None:
+    first = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+    second = {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [7, 8]}
+    (a, b), _ = routing.build_requests([first, second], 1000.0, load=0.5)
+    feed = routing.ShippedFeed(1, 1, 128, router=True, dp0=False, dispatch=False)
+    cl = routing.Cluster(instances=1, ranks=1, capacity_pages=8, page_size=128, tokens_per_s=1000.0)
+    cl.feed = feed
+    _served(cl, a, 0)
+    _served(cl, b, 0)  # 8 pages of room: a's pages are evicted for b's
+    assert feed.router is not None
+    assert feed.router.query(routing.request_tokens(a)) == {"instance-0": {}}
+    assert feed.router.query(routing.request_tokens(b))["instance-0"][0].npu_blocks == 8
+    feed.close()
 
 
 def test_hotspot_guard_overrides_the_hit_when_the_holder_is_too_busy() -> None:
@@ -221,8 +266,8 @@ def test_hotspot_guard_overrides_the_hit_when_the_holder_is_too_busy() -> None:
     req = routing.Request(arrival_s=0.0, isl=1024, keys=routing.page_keys([1, 2], 1024))
     cl.ranks[2].cache.insert(req.keys)
     cl.ranks[2].queued_tokens = 500  # busy, but the full hit still wins on Motor's cost (0 + 500 < 1024)
-    assert routing.Router(1, 4).fold_pinned(cl, req) == 2
-    assert routing.Router(1, 4, hotspot_tokens=100).fold_pinned(cl, req) != 2  # guard: within 100 of the idlest
+    assert routing.Router(1, 4).model_fold_pinned(cl, req) == 2
+    assert routing.Router(1, 4, hotspot_tokens=100).model_fold_pinned(cl, req) != 2  # guard: within 100 of the idlest
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -7,8 +7,7 @@ from array import array
 from collections import defaultdict
 from typing import Any
 
-import sglang_real
-
+from bench import sglang_loader as sglang_real
 from sglang_kvpub.release_hooks import install_release_hooks, node_block_hashes, node_resident, tracker_of, tree_of
 from sglang_kvpub.residency import RankResidency
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored

@@ -1,0 +1,165 @@
+"""The ``/query`` hot path: the index's one-pass fold, the hashed-prompt cache, msgpack answers.
+
+``PrefixIndex.deepest_npu`` must pick, per instance, exactly the rank and hit that folding
+``query_keys`` with ``scoring.best_rank`` picks (while only NPU holds blocks). The service
+caches a body's hashed keys, never its answer: the same body asked again sees the index
+as it is now. A client whose ``Accept`` names msgpack gets the same answer in msgpack.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from motor_adapter.scoring import KvAffinityConfig, best_rank
+from motor_adapter.service import _Prompt, _PromptCache
+from sglang_kvpub import wire
+from sglang_kvpub.hashing import sequence_keys
+from sglang_kvpub.index import PrefixIndex, TierHit
+from tests.conftest import free_tcp_endpoint
+from tests.test_service import (  # noqa: F401  (pytest fixtures shared with test_service)
+    BS,
+    MODEL,
+    MotorClient,
+    Publisher,
+    Server,
+    connect,
+    http,
+    make_server,
+    prompt,
+    server,
+    wait_for,
+    zctx,
+)
+
+IBS = 4  # the index tests' block size
+
+
+def _store(index: PrefixIndex, instance: str, rank: int, tokens: list[int], medium: str = wire.MEDIUM_GPU) -> None:
+    blocks = len(tokens) // IBS
+    hashes = [random.getrandbits(62) + 1 for _ in range(blocks)]
+    event = wire.BlockStored(block_hashes=hashes, token_ids=tokens[: blocks * IBS], block_size=IBS, medium=medium)
+    index.apply_batch(instance, wire.EventBatch(ts=0.0, events=[event], dp_rank=rank))
+
+
+def _fold(index: PrefixIndex, keys: list[int], instances: tuple[str, ...]) -> dict[str, tuple[int, TierHit]]:
+    cfg = KvAffinityConfig(block_size=IBS)
+    out: dict[str, tuple[int, TierHit]] = {}
+    for instance, ranks in index.query_keys(keys, instances=instances).items():
+        found = best_rank(ranks, cfg)
+        if found is not None:
+            out[instance] = (found[0], found[1])  # type: ignore[assignment]
+    return out
+
+
+@pytest.mark.unit
+@settings(max_examples=80, deadline=None)
+@given(
+    stores=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 3), st.integers(0, 8)), min_size=0, max_size=25
+    ),
+    query=st.tuples(st.integers(0, 3), st.integers(0, 10)),
+    asked=st.sets(st.integers(0, 3), min_size=1),
+)
+def test_deepest_npu_equals_the_fold_of_query_keys(
+    stores: list[tuple[int, int, int, int]], query: tuple[int, int], asked: set[int]
+) -> None:
+    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(4)]
+    index = PrefixIndex(IBS)
+    for instance, rank, base, blocks in stores:
+        _store(index, f"i{instance}", rank, bases[base][: blocks * IBS])
+    base, blocks = query
+    keys = sequence_keys([*bases[base][: blocks * IBS], 7, 7, 7, 7], IBS)
+    instances = tuple(f"i{i}" for i in sorted(asked))
+    got = index.deepest_npu(keys, instances)
+    assert got is not None
+    assert {k: (r, h.npu_blocks) for k, (r, h) in got.items()} == {
+        k: (r, h.npu_blocks) for k, (r, h) in _fold(index, keys, instances).items()
+    }
+    assert all(h.cpu_blocks == h.disk_blocks == 0 for _, h in got.values())
+
+
+@pytest.mark.unit
+def test_deepest_npu_defers_to_query_keys_once_another_tier_holds_blocks() -> None:
+    index = PrefixIndex(IBS)
+    tokens = list(range(3 * IBS))
+    _store(index, "a", 0, tokens)
+    keys = sequence_keys(tokens, IBS)
+    assert index.deepest_npu(keys, ("a",)) == {"a": (0, TierHit(3, 0, 0))}
+    _store(index, "a", 1, tokens, medium=wire.MEDIUM_CPU)
+    assert index.deepest_npu(keys, ("a",)) is None
+
+
+@pytest.mark.unit
+def test_the_same_instances_tuple_sees_ranks_and_instances_that_appear_later() -> None:
+    index = PrefixIndex(IBS)
+    tokens = list(range(4 * IBS))
+    keys = sequence_keys(tokens, IBS)
+    asked = ("a", "b")
+    _store(index, "a", 0, tokens[: 2 * IBS])
+    assert index.deepest_npu(keys, asked) == {"a": (0, TierHit(2, 0, 0))}
+    _store(index, "a", 5, tokens)  # a new rank of a known instance
+    _store(index, "b", 1, tokens[: 3 * IBS])  # an instance the index did not know yet
+    assert index.deepest_npu(keys, asked) == {"a": (5, TierHit(4, 0, 0)), "b": (1, TierHit(3, 0, 0))}
+    index.clear_instance("a")
+    assert index.deepest_npu(keys, asked) == {"b": (1, TierHit(3, 0, 0))}
+
+
+@pytest.mark.unit
+def test_prompt_cache_confirms_the_body_and_stays_bounded() -> None:
+    cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
+    bodies = [bytes([i]) * 100 for i in range(5)]
+    for i, body in enumerate(bodies):
+        cache.put(cache.key(body, True), body, _Prompt(MODEL, "default", BS, [i], 1))
+    assert cache.get(cache.key(bodies[0], True), bodies[0]) is None  # evicted, oldest first
+    hit = cache.get(cache.key(bodies[4], True), bodies[4])
+    assert hit is not None and hit.keys == [4]
+    assert cache.get(cache.key(bodies[4], False), bodies[4]) is None  # JSON and msgpack never mix
+    assert cache.get(cache.key(bodies[4], True), bodies[3]) is None  # a digest whose body differs: a miss
+    big = b"x" * (1 << 18)  # over an eighth of max_bytes: not kept
+    cache.put(cache.key(big, True), big, _Prompt(MODEL, "default", BS, [9], 1))
+    assert cache.get(cache.key(big, True), big) is None
+    assert cache.get(cache.key(bodies[3], True), bodies[3]) is not None
+
+
+def _post(url: str, data: bytes, headers: dict[str, str]) -> tuple[str, bytes]:
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=3.0) as response:
+        return response.headers.get("Content-Type", ""), response.read()
+
+
+@pytest.mark.integration
+def test_a_repeated_body_sees_the_index_as_it_is_now_in_json_or_msgpack(server: Server, zctx: Any) -> None:
+    pub = Publisher(zctx, free_tcp_endpoint())
+    client = MotorClient(server.url)
+    assert client.register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
+    connect(server, pub)
+    tokens = prompt(11, 6)
+    body = msgpack.packb({"model": MODEL, "block_size": BS, "token_ids": tokens, "tenant_id": "default"})
+    url = server.url + "/query"
+    as_json = {"Content-Type": "application/msgpack"}
+
+    def matched() -> int:
+        kind, payload = _post(url, body, as_json)
+        assert kind.startswith("application/json")
+        answer: dict[str, Any] = json.loads(payload)
+        return int(answer["default"]["vllm-prefill-0"]["DP"]["0"]["matched_tokens"])
+
+    assert matched() == 0
+    pub.store(tokens[: 2 * BS], rank=3)
+    wait_for(lambda: matched() == 2 * BS, "the same body sees 2 blocks")
+    pub.store(tokens, rank=1)
+    wait_for(lambda: matched() == 6 * BS, "the same body sees 6 blocks")
+    kind, payload = _post(url, body, {**as_json, "Accept": "application/msgpack"})
+    assert kind.startswith("application/msgpack")
+    answer = msgpack.unpackb(payload)
+    status, json_answer = http(url, {"model": MODEL, "block_size": BS, "token_ids": tokens, "tenant_id": "default"})
+    assert status == 200 and answer == json_answer
+    assert answer["default"]["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 1
