@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any, Union
 
 import msgspec
@@ -120,6 +120,8 @@ class DurableRegistrations:
         loop = asyncio.get_running_loop()
         self.restore_started = time.monotonic()
         self._tasks.append(loop.create_task(self._restore(records, probation=True)))
+        if records and self.dead_after_s > 0:
+            self._tasks.append(loop.create_task(self._watch_probation()))
         changes = self.store.changes()
         if changes is not None:
             self._tasks.append(loop.create_task(self._follow(changes)))
@@ -197,17 +199,20 @@ class DurableRegistrations:
 
     # ------------------------------------------------------------------ restore
 
-    async def _restore(self, records: Iterable[Record], *, probation: bool) -> None:
-        records = list(records)
-        self._restoring += len(records)
-        try:
-            await asyncio.gather(*(self._restore_one(r, probation) for r in records))
-        finally:
-            self._restoring -= len(records)
-        if probation:
-            self.restore_done = time.monotonic()
-            if self._probation:
-                await self._watch_probation()
+    def _restore(self, records: Iterable[Record], *, probation: bool) -> Coroutine[Any, Any, None]:
+        """Counts the records as restoring now (the probation watch looks at it), restores them later."""
+        pending = list(records)
+        self._restoring += len(pending)
+
+        async def restore() -> None:
+            try:
+                await asyncio.gather(*(self._restore_one(r, probation) for r in pending))
+            finally:
+                self._restoring -= len(pending)
+            if probation:
+                self.restore_done = time.monotonic()
+
+        return restore()
 
     async def _restore_one(self, record: Record, probation: bool) -> None:
         assert self._window is not None
@@ -269,7 +274,7 @@ class DurableRegistrations:
     # ------------------------------------------------------------------ found dead at restore
 
     async def _watch_probation(self) -> None:
-        while self._probation:
+        while self._restoring or self._probation:
             now = time.monotonic()
             for key, (reg, record, since) in list(self._probation.items()):
                 if self._heard(reg):
