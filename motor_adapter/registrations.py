@@ -57,6 +57,17 @@ def _exact(key: RegKey) -> Unregistration:
     return Unregistration(instance_id=instance_id, dp_rank=dp_rank, model=model, tenant=tenant)
 
 
+def _names(unreg: Unregistration, key: RegKey) -> bool:
+    """Whether ``unreg`` removes ``key`` (as ``AdapterState.unregister`` matches registrations)."""
+    tenant, model, instance_id, dp_rank = key
+    return (
+        instance_id == unreg.instance_id
+        and tenant == unreg.tenant
+        and (unreg.dp_rank is None or dp_rank == unreg.dp_rank)
+        and (unreg.model is None or model == unreg.model)
+    )
+
+
 def _checkable(reg: Registration) -> bool:
     """Whether silence means dead: a replay endpoint answers sync requests, a fanned-in stream
     sends heartbeats; a plain engine without replay says nothing while idle."""
@@ -166,13 +177,20 @@ class DurableRegistrations:
         self.metrics.writes.inc(op="put", result="ok")
         return {**result, "durable": self._durable()}
 
-    async def unregistered(self) -> None:
-        """After ``state.unregister`` (caller holds :attr:`lock`): deletes what is no longer served."""
+    async def unregistered(self, unreg: Unregistration) -> int:
+        """After ``state.unregister(unreg)`` (caller holds :attr:`lock`): deletes what is no longer
+        served, and the stored registrations ``unreg`` names that could not be restored (the way to
+        clear one). Returns how many of the latter went."""
         served = {r.key for r in self.state.registrations()}
         for key in [k for k in self._known if k not in served]:
             self._known.pop(key)
             self._probation.pop(key, None)
             await self._delete(key, None)
+        stale = [k for k in self._unrestored if _names(unreg, k)]
+        for key in stale:
+            del self._unrestored[key]
+            await self._delete(key, None)
+        return len(stale)
 
     async def _delete(self, key: RegKey, only_if: Union[Record, None]) -> None:
         started = time.perf_counter()
@@ -344,13 +362,12 @@ class DurableRegistrations:
     async def _resync(self, change: Change) -> None:
         """The store's whole set after a reconnect: ours becomes equal to it (``reset``: we write back)."""
         wanted = {r.key: r for r in change.records}
-        if change.reset:
+        if change.reset:  # etcd lost them: what we serve goes back in, nothing is removed here
             async with self.lock:
                 lost = [r for k, r in self._known.items() if k not in wanted]
             for record in lost:
                 with contextlib.suppress(StoreUnavailable):
-                    self._known[record.key] = await self.store.put(record)
-            return
+                    wanted[record.key] = await self.store.put(record)
         async with self.lock:
             for key in [k for k, r in self._known.items() if k not in wanted and r.revision > 0]:
                 await asyncio.to_thread(self.state.unregister, _exact(key))

@@ -70,12 +70,13 @@ class EtcdStore:
         *,
         lease_ttl_s: int = 10,
         timeout_s: float = 1.0,
-        connect_wait_s: float = 3.0,
+        connect_wait_s: float = 2.0,
     ) -> None:
         self.endpoints = endpoints
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.connect_wait_s = connect_wait_s
+        self.write_wait_s = timeout_s  # a /register answer waits at most this long for etcd, endpoints tried included
         self.description = f"etcd://{','.join(e.split('://', 1)[1] for e in endpoints)}{prefix}"
         self.replica = replica_id()
         self._gw = EtcdGateway(endpoints, timeout_s=timeout_s)
@@ -187,8 +188,8 @@ class EtcdStore:
             self._outbox[record.key] = ("put", record)
             raise StoreUnavailable(f"etcd unreachable ({self.last_error}); queued, written when it answers")
         try:
-            header = await self._gw.put(self._key(record.key), self._value(record))
-        except EtcdError as exc:
+            header = await asyncio.wait_for(self._gw.put(self._key(record.key), self._value(record)), self.write_wait_s)
+        except (EtcdError, asyncio.TimeoutError) as exc:
             self._outbox[record.key] = ("put", record)
             self._trouble("put", exc)
             raise StoreUnavailable(f"etcd did not take it in time ({exc}); queued, retried") from exc
@@ -200,8 +201,8 @@ class EtcdStore:
             self._outbox[key] = ("delete", only_if)
             raise StoreUnavailable(f"etcd unreachable ({self.last_error}); queued, written when it answers")
         try:
-            done = await self._delete(key, only_if)
-        except EtcdError as exc:
+            done = await asyncio.wait_for(self._delete(key, only_if), self.write_wait_s)
+        except (EtcdError, asyncio.TimeoutError) as exc:
             self._outbox[key] = ("delete", only_if)
             self._trouble("delete", exc)
             raise StoreUnavailable(f"etcd did not take it in time ({exc}); queued, retried") from exc

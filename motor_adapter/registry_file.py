@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "motor-kv-adapter/registrations"
 VERSION = 1
-_WRITE_WAIT_S = 2.0  # a /register answer waits at most this long for the disk (Motor's timeout is 2 s)
+_WRITE_WAIT_S = 1.0  # a /register answer waits at most this long for the disk (Motor's timeout is 2 s)
 _RETRY_S = 2.0  # a failed write is retried this often while changes are unwritten
 
 

@@ -903,8 +903,7 @@ class _Handlers:
             raise RequestError(400, "bad_registration", str(exc)) from exc
         async with self._register_lock:
             removed = await asyncio.to_thread(self.state.unregister, unreg)
-            if removed:
-                await self.registry.unregistered()
+            removed += await self.registry.unregistered(unreg)  # write-through (and unrestorable records)
         if not removed:
             raise RequestError(404, "InstanceNotFound", f"{unreg.instance_id} dp {unreg.dp_rank} is not registered")
         return web.json_response({"status": "ok", "removed": removed})

@@ -229,16 +229,25 @@ def test_etcd_down_replicas_keep_serving_and_catch_up_when_it_returns(
     )
     assert replica_a.registry()["pending"] == 1
     assert matched(replica_b.query(tokens_2)[1], "vllm-prefill-1") == 0  # B cannot know it yet
+    replica_c = adapters(registry)  # a replica starting while etcd is down: serves what it knows (nothing)
+    assert replica_c.query(tokens_1)[0] == 404 and not replica_c.registry()["connected"]
 
     etcd.start()  # same data directory, same ports
     back = time.monotonic()
     on_a_2 = wait_for(lambda: hit(replica_a, tokens_2, "vllm-prefill-1", 8 * BS), "A's second hit")
     wait_for(lambda: replica_b.query(tokens_2) == (200, on_a_2), "B catching up with the queued registration")
     caught_up = time.monotonic() - back
+    wait_for(lambda: replica_c.query(tokens_2) == (200, on_a_2), "the replica started during the outage catching up")
+    c_caught_up = time.monotonic() - back
     assert wait_for(lambda: replica_a.registry()["pending"] == 0 and replica_a.registry()["connected"], "A flushed")
     assert etcd.keys("/kvtest/registrations/") == [
         "/kvtest/registrations/default/dsv4-flash/vllm-prefill-0/0",
         "/kvtest/registrations/default/dsv4-flash/vllm-prefill-1/0",
     ]
     assert replica_b.query(tokens_1) == replica_a.query(tokens_1)
-    report(fault="etcd_down", register_answer_s=round(register_s, 3), catch_up_s=round(caught_up, 3))
+    report(
+        fault="etcd_down",
+        register_answer_s=round(register_s, 3),
+        catch_up_s=round(caught_up, 3),
+        started_during_outage_catch_up_s=round(c_caught_up, 3),
+    )
