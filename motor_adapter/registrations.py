@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 MAX_STORED_BODY = 64 << 10  # a registration body is ~0.5 KiB; beyond this it is served but not stored
 _POLL_S = 0.05  # stream health has no change notification: polled while a restore waits
 _PROBATION_TICK_S = 0.5
+_GONE_MAX = 1 << 16
 
 
 def _json_safe(body: Any) -> dict[str, Any]:
@@ -115,6 +116,8 @@ class DurableRegistrations:
         self._known: dict[RegKey, Record] = {}  # what the store holds for what we serve
         self._unrestored: dict[RegKey, str] = {}  # stored but not served (why), left in the store
         self._probation: dict[RegKey, tuple[Registration, Record, float]] = {}
+        # removed here: the store revision we knew then; an older put coming back from the watch is stale
+        self._gone: dict[RegKey, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._window: Union[asyncio.Semaphore, None] = None
         self._restoring = 0
@@ -183,14 +186,21 @@ class DurableRegistrations:
         clear one). Returns how many of the latter went."""
         served = {r.key for r in self.state.registrations()}
         for key in [k for k in self._known if k not in served]:
-            self._known.pop(key)
-            self._probation.pop(key, None)
+            self._forget(key)
             await self._delete(key, None)
         stale = [k for k in self._unrestored if _names(unreg, k)]
         for key in stale:
             del self._unrestored[key]
             await self._delete(key, None)
         return len(stale)
+
+    def _forget(self, key: RegKey) -> None:
+        record = self._known.pop(key, None)
+        self._probation.pop(key, None)
+        if record is not None and record.revision:
+            if len(self._gone) >= _GONE_MAX:
+                self._gone.clear()  # only guards against a stale echo: bounded
+            self._gone[key] = record.revision
 
     async def _delete(self, key: RegKey, only_if: Union[Record, None]) -> None:
         started = time.perf_counter()
@@ -307,7 +317,7 @@ class DurableRegistrations:
             if self._probation.pop(key, None) is None or self._known.get(key) is not record:
                 return  # re-registered or changed meanwhile
             await asyncio.to_thread(self.state.unregister, _exact(key))
-            self._known.pop(key, None)
+            self._forget(key)
             self.metrics.dropped.inc()
             log.warning(
                 "dropped restored registration %s dp %d: its stream %s stayed silent for %.0f s after the restart "
@@ -342,15 +352,18 @@ class DurableRegistrations:
                 await self._apply_put(current, change.record)
             elif current is not None and 0 < current.revision <= change.revision:
                 await asyncio.to_thread(self.state.unregister, _exact(change.key))
-                del self._known[change.key]
-                self._probation.pop(change.key, None)
+                self._forget(change.key)
+                self._gone.pop(change.key, None)
                 log.info("registration %s removed on another replica", change.key)
             elif current is None:
                 self._unrestored.pop(change.key, None)
+                self._gone.pop(change.key, None)
 
     async def _apply_put(self, current: Union[Record, None], record: Record) -> None:
         if current is not None and current.revision >= record.revision > 0:
             return  # older than what we hold
+        if current is None and record.revision <= self._gone.get(record.key, 0):
+            return  # the echo of a put we have since unregistered; its delete follows
         if current is not None and current.same_body(record):
             self._known[record.key] = record  # our own write coming back, or a no-op
             return
@@ -371,8 +384,7 @@ class DurableRegistrations:
         async with self.lock:
             for key in [k for k, r in self._known.items() if k not in wanted and r.revision > 0]:
                 await asyncio.to_thread(self.state.unregister, _exact(key))
-                self._known.pop(key, None)
-                self._probation.pop(key, None)
+                self._forget(key)
                 log.info("registration %s was removed while etcd was out of reach; removed here too", key)
             new = []
             for key, record in wanted.items():

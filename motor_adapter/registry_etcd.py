@@ -332,14 +332,16 @@ class EtcdStore:
         loop = asyncio.get_running_loop()
         watch = loop.create_task(self._watch())
         keepalive = loop.create_task(self._keepalive())
-        done, pending = await asyncio.wait({watch, keepalive}, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        for task in pending:
-            with contextlib.suppress(asyncio.CancelledError, EtcdError, asyncio.TimeoutError):
-                await task
+        try:
+            done, _ = await asyncio.wait({watch, keepalive}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when close() cancels us: neither may outlive the store
+            for task in (watch, keepalive):
+                task.cancel()
+            for task in (watch, keepalive):
+                with contextlib.suppress(asyncio.CancelledError, EtcdError, asyncio.TimeoutError, ValueError):
+                    await task
         for task in done:
-            exc = task.exception()
+            exc = None if task.cancelled() else task.exception()
             self._trouble("watch" if task is watch else "keepalive", exc or EtcdError("ended"))
 
     async def _watch(self) -> None:

@@ -20,6 +20,7 @@ from registry_procs import (
     AdapterProcess,
     Engine,
     EtcdServer,
+    http,
     matched,
     prompt,
     require_etcd,
@@ -195,6 +196,12 @@ def test_two_replicas_answer_the_same_and_survive_each_other(
     replica_c = adapters(registry)
     wait_for(lambda: replica_c.query(tokens) == (200, on_a), "the new replica answering the same")
     c_same = time.monotonic() - started
+
+    # Motor removes the instance through whichever replica it reaches: every replica drops it
+    status, _ = http(replica_c.url + "/unregister", {"instance_id": "vllm-prefill-0"})
+    assert status == 200
+    wait_for(lambda: replica_b.instances() == [], "B dropping the registration removed on C")
+    assert etcd.keys("/kvtest/registrations/") == [] and replica_b.query(tokens)[0] == 404
     report(
         fault="replicas",
         b_answers_same_s=round(b_same, 3),
