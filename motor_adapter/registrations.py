@@ -104,7 +104,7 @@ class DurableRegistrations:
         *,
         dead_after_s: float = 60.0,
         restore_window: int = 8,
-        sync_wait_s: float = 3.0,
+        sync_wait_s: float = 1.0,
     ) -> None:
         self.state = state
         self.store = store
