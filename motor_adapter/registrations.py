@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any, Union
 
 import msgspec
@@ -158,8 +158,9 @@ class DurableRegistrations:
         self._probation.pop(reg.key, None)  # a fresh registration is alive by definition
         self._unrestored.pop(reg.key, None)
         stored = _json_safe(body)
-        if len(msgspec.json.encode(stored)) > MAX_STORED_BODY:
-            log.warning("register %s dp %d: body over %d bytes, not stored", reg.instance_id, reg.dp_rank, len(stored))
+        size = len(msgspec.json.encode(stored))
+        if size > MAX_STORED_BODY:
+            log.warning("register %s dp %d: a %d-byte body is not stored", reg.instance_id, reg.dp_rank, size)
             return self._not_durable(result, f"registry: the body is over {MAX_STORED_BODY} bytes and is not stored")
         record = Record(reg.key, stored, written_at=time.time())
         current = self._known.get(reg.key)
@@ -287,9 +288,11 @@ class DurableRegistrations:
         self._unrestored.pop(record.key, None)
         return reg
 
-    def _heard(self, reg: Registration) -> bool:
-        """The stream of ``reg`` answered: a batch, a snapshot, a replay reply or a heartbeat."""
-        healths = self.state.stream_health().get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
+    def _heard(self, reg: Registration, health: Union[Mapping[Any, Any], None] = None) -> bool:
+        """The stream of ``reg`` answered: a batch, a snapshot, a replay reply or a heartbeat.
+        ``health``: one ``state.stream_health()`` taken for several checks."""
+        health = self.state.stream_health() if health is None else health
+        healths = health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
         return any(
             getattr(h, "batches", 0) or getattr(h, "snapshots", 0) or getattr(h, "connected", False) for h in healths
         )
@@ -304,8 +307,9 @@ class DurableRegistrations:
     async def _watch_probation(self) -> None:
         while self._restoring or self._probation:
             now = time.monotonic()
+            health = self.state.stream_health() if self._probation else {}
             for key, (reg, record, since) in list(self._probation.items()):
-                if self._heard(reg):
+                if self._heard(reg, health):
                     del self._probation[key]
                     log.info("restored %s dp %d: stream %s is alive", reg.instance_id, reg.dp_rank, reg.stream)
                 elif now - since > self.dead_after_s:
