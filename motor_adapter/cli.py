@@ -15,6 +15,7 @@ __all__ = ["main", "build_parser"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from motor_adapter.registry_store import RegistryError, default_registry_spec
     from motor_adapter.scoring import ConfigError
     from motor_adapter.service import ServiceConfig, run_server
 
@@ -30,13 +31,23 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["port"] = args.port
     if args.tokenizer is not None:
         overrides["tokenizer_path"] = args.tokenizer
-    if overrides:
-        import dataclasses
+    # --registry, else the config's "registry", else MOTOR_KV_ADAPTER_REGISTRY, else a file per port
+    registry = args.registry or config.registry or default_registry_spec(args.port or config.port)
+    overrides["registry"] = registry
+    import dataclasses
 
-        config = dataclasses.replace(config, **overrides)
-    logging.getLogger(__name__).info("serving on http://%s:%d", config.host, config.port)
-    print(f"motor-kv-adapter serving on http://{config.host}:{config.port}", file=sys.stderr, flush=True)
-    run_server(config)
+    config = dataclasses.replace(config, **overrides)
+    logging.getLogger(__name__).info("serving on http://%s:%d, registry %s", config.host, config.port, registry)
+    print(
+        f"motor-kv-adapter serving on http://{config.host}:{config.port} (registry {registry})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        run_server(config)
+    except RegistryError as exc:
+        print(f"motor-kv-adapter: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
@@ -114,7 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="port (default 13333, Motor's http_server_port)")
     serve.add_argument("--config", default=None, help="service config JSON (see docs/motor.md)")
     serve.add_argument("--tokenizer", default=None, help="local tokenizer directory for prompt/messages queries")
+    serve.add_argument(
+        "--registry",
+        default=None,
+        help="where registrations outlive a restart: file:PATH (default: "
+        "$XDG_STATE_HOME/motor-kv-adapter/registrations-<port>.json), etcd://HOST:PORT/PREFIX (replicas), "
+        "or memory (nothing survives); env MOTOR_KV_ADAPTER_REGISTRY",
+    )
     serve.set_defaults(run=_serve)
+
+    from motor_adapter.register_cli import add_parsers
+
+    add_parsers(sub)
 
     check = sub.add_parser("check-config", help="validate a Motor user_config.json for KV affinity with SGLang")
     check.add_argument("file")

@@ -374,6 +374,7 @@ def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> lis
     args = _engine_args(engine)
     findings += _check_conductor(conductor_key, conductor, env)
     findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor)
+    findings.append(_start_order(conductor_key))
     return findings
 
 
@@ -561,3 +562,18 @@ def _check_l2(config: Mapping[str, Any], engine_key: str, args: Mapping[str, Any
             )
         ]
     return []
+
+
+def _start_order(conductor_key: str) -> Finding:
+    """Motor registers an instance once, when it adds it: the order things start in matters."""
+    return Finding(
+        conductor_key,
+        "Motor registers each instance with the conductor ONCE, when it adds the instance (one POST, 2 s timeout, "
+        "no retry): an adapter that is not up then never learns it, and every query for it falls back to "
+        "load_balance (counted in motor_kv_adapter_unregistered_queries_total)",
+        "start order: etcd (for replicas) -> motor-kv-adapter serve (its --registry keeps registrations across "
+        "restarts) -> the engines -> Motor's coordinator. To recover a missed registration: re-add the instance "
+        "in Motor, or `motor-kv-adapter register --url http://ADAPTER:PORT --motor-config THIS_FILE "
+        "--ip INSTANCE_IP --instance-id vllm-prefill-N` (docs/operations.md)",
+        severity="note",
+    )

@@ -45,6 +45,8 @@ from motor_adapter.motor import (
     parse_registration,
     parse_unregistration,
 )
+from motor_adapter.registrations import DurableRegistrations
+from motor_adapter.registry_store import open_store
 from motor_adapter.scoring import (
     Candidate,
     ConfigError,
@@ -128,10 +130,17 @@ class ServiceConfig:
     curve_client_secret_key_file: Union[str, None] = None
     # Subscriptions followed at once (a compat registration counts one per rank): 429 beyond.
     max_streams: int = 1024
+    # Where registrations outlive the process (docs/operations.md): "file:PATH", "etcd://HOST:PORT/PREFIX"
+    # or None/"memory" (nothing survives); `motor-kv-adapter serve` defaults to a file in $XDG_STATE_HOME.
+    registry: Union[str, None] = None
+    registry_dead_after_s: float = 60.0  # a restored registration silent this long is dropped (0: never)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
             raise ConfigError([f"max_streams must be an integer >= 1, got {self.max_streams!r}"])
+        dead = self.registry_dead_after_s
+        if isinstance(dead, bool) or not isinstance(dead, (int, float)) or not 0 <= dead < math.inf:
+            raise ConfigError([f"registry_dead_after_s must be a number >= 0 (0: never drop), got {dead!r}"])
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServiceConfig:
@@ -472,6 +481,7 @@ class AdapterState:
         with self._lock:
             regs = [r for r in self._registrations.values() if r.model == model and r.tenant == tenant]
             if not regs:
+                self.metrics.missed_registration(model, tenant)
                 raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
             entry = self._indexes.get(key)
             view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
@@ -703,6 +713,8 @@ _STREAM_FIELDS = (
 
 _TIERS = (("npu", "npu_blocks"), ("cpu", "cpu_blocks"), ("disk", "disk_blocks"))
 _LABELS_MAX = 4096
+_MISSED_SERIES_MAX = 256  # model names come from the network: a bounded set of series, then "<other>"
+_MISSED_LOG_INTERVAL_S = 60.0
 
 
 def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
@@ -725,6 +737,11 @@ class _Metrics:
         self.instance_hits = reg.counter(
             "motor_kv_adapter_instance_hit_blocks_total", "Hit blocks per instance, registered dp, engine rank and tier"
         )
+        self.unregistered = reg.counter(
+            "motor_kv_adapter_unregistered_queries_total",
+            "Queries for a model with no registration (404 NoIndexer: Motor falls back to load_balance)",
+        )
+        self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
         # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
         self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
         self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
@@ -763,6 +780,29 @@ class _Metrics:
                         cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
                     cell[0] += count
         hit_blocks[0] += min(best, blocks)
+
+    def missed_registration(self, model: str, tenant: str) -> None:
+        """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""
+        labels = (model, tenant) if len(self._missed) < _MISSED_SERIES_MAX or (model, tenant) in self._missed else None
+        self.unregistered.inc(model=labels[0] if labels else "<other>", tenant=labels[1] if labels else "<other>")
+        if labels is None:
+            return
+        now = time.monotonic()
+        entry = self._missed.setdefault(labels, [0.0, 0.0])
+        entry[1] += 1
+        if now < entry[0]:
+            return
+        log.warning(
+            "%d quer%s for model %r tenant %r found no registration since the last report: Motor registers an "
+            "instance once, when it adds it, so an adapter that was not running then (or lost it) never learns it; "
+            "re-add the instance in Motor, or send its registration with `motor-kv-adapter register` "
+            "(docs/operations.md)",
+            entry[1],
+            "y" if entry[1] == 1 else "ies",
+            model,
+            tenant,
+        )
+        entry[0], entry[1] = now + _MISSED_LOG_INTERVAL_S, 0.0
 
     def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
         names: dict[tuple[str, str, int, str], str] = {}
@@ -882,15 +922,16 @@ def _error(status: int, reason: str, detail: str) -> web.Response:
 
 
 class _Handlers:
-    def __init__(self, state: AdapterState) -> None:
+    def __init__(self, state: AdapterState, registry: DurableRegistrations) -> None:
         self.state = state
+        self.registry = registry
         self.config = state.config
         self._json = msgspec.json.Decoder()
         self._msgpack = msgspec.msgpack.Decoder()
         self._query_json = msgspec.json.Decoder(QueryBody)
         self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
         self._prompts = _PromptCache()
-        self._register_lock = asyncio.Lock()
+        self._register_lock = registry.lock  # restores and other replicas' changes take it too
 
     async def body(self, request: web.Request) -> dict[str, Any]:
         data = await self._decode(request, self._msgpack, self._json)
@@ -947,6 +988,7 @@ class _Handlers:
             raise RequestError(400, "bad_registration", str(exc)) from exc
         async with self._register_lock:  # starting/stopping subscribers joins threads: off the loop
             result = await asyncio.to_thread(self.state.register, reg)
+            result = await self.registry.registered(body, reg, result)  # write-through, bounded wait
         return web.json_response(result)
 
     async def unregister(self, request: web.Request) -> web.Response:
@@ -958,6 +1000,7 @@ class _Handlers:
             raise RequestError(400, "bad_registration", str(exc)) from exc
         async with self._register_lock:
             removed = await asyncio.to_thread(self.state.unregister, unreg)
+            removed += await self.registry.unregistered(unreg)  # write-through (and unrestorable records)
         if not removed:
             raise RequestError(404, "InstanceNotFound", f"{unreg.instance_id} dp {unreg.dp_rank} is not registered")
         return web.json_response({"status": "ok", "removed": removed})
@@ -1046,11 +1089,15 @@ class _Handlers:
     async def workers(self, request: web.Request) -> web.Response:
         return web.json_response(self.state.workers())
 
+    async def registry_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.registry.status())
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="OK")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.state.render_metrics(), content_type="text/plain", charset="utf-8")
+        text = self.state.render_metrics() + self.registry.render_metrics()
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
 def _candidates(value: Any) -> list[Candidate]:
@@ -1113,8 +1160,15 @@ def _request_labels(path: str, status: int) -> metrics.Labels:
     return labels
 
 
-def build_app(state: AdapterState) -> web.Application:
-    handlers = _Handlers(state)
+def build_app(state: AdapterState, registry: DurableRegistrations | None = None) -> web.Application:
+    """The HTTP app; ``registry`` defaults to the store ``state.config.registry`` names (memory when unset).
+
+    Raises :class:`~motor_adapter.registry_store.RegistryError` for a registry spec it cannot use.
+    """
+    if registry is None:
+        store = open_store(state.config.registry or "memory")
+        registry = DurableRegistrations(state, store, dead_after_s=state.config.registry_dead_after_s)
+    handlers = _Handlers(state, registry)
     metric = state.metrics
 
     @web.middleware
@@ -1147,12 +1201,21 @@ def build_app(state: AdapterState) -> web.Application:
     app.router.add_post("/select", handlers.select)
     app.router.add_post("/explain", handlers.explain)
     app.router.add_get("/workers", handlers.workers)
+    app.router.add_get("/registry", handlers.registry_status)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+
+    async def start_registry(app: web.Application) -> None:
+        await registry.start()  # a bad state file fails the start here, before the port opens
+
+    async def close_registry(app: web.Application) -> None:
+        await registry.close()  # before the state closes: closing forgets nothing in the store
 
     async def close_state(app: web.Application) -> None:
         await asyncio.to_thread(state.close)
 
+    app.on_startup.append(start_registry)
+    app.on_shutdown.append(close_registry)
     app.on_cleanup.append(close_state)
     return app
 

@@ -180,7 +180,7 @@ class HttpAdapter:
             self.port = _free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [sys.executable, "-m", "motor_adapter.cli", "--log-level", "WARNING", "serve"]
-            cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+            cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--registry", "memory"]  # a demo keeps nothing
             self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.description = f"motor-kv-adapter serve on {self.url} (subprocess pid {self._proc.pid})"
             if self._wait_healthy():

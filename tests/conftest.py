@@ -47,6 +47,17 @@ def free_tcp_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_tcp_port()}"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """``motor-kv-adapter serve`` keeps registrations under ``$XDG_STATE_HOME`` by default: every
+    adapter a test starts (subprocesses inherit it) writes into a temporary directory, never the
+    user's own state."""
+    path = tmp_path_factory.mktemp("xdg-state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_STATE_HOME", str(path))
+        yield path
+
+
 @pytest.fixture
 def tcp_endpoint() -> Callable[[], str]:
     return free_tcp_endpoint
