@@ -285,9 +285,8 @@ def test_feed_through_the_fanin_ingest_path_decodes_and_clears_on_restart() -> N
         d = CacheAwareDispatcher(4, BLOCK)
         assert feed_from_fanin(fanin, d) == "observer"
         prompt = _tokens(3 * BLOCK)
-        payload = msgspec.msgpack.encode(
-            EventBatch(1.0, [BlockStored([1, 2, 3], None, prompt, BLOCK, medium="GPU")], 2)
-        )
+        stored = BlockStored([1, 2, 3], None, prompt, BLOCK, medium="GPU")
+        payload = msgspec.msgpack.encode(EventBatch(1.0, [stored], 2))
         fanin.ingest(2, 111, 0, payload)
         fanin.ingest(2, 111, 1, b"")  # rank heartbeat
         fanin.ingest(2, 111, 2, b"\xc1garbage")  # malformed: counted by the fan-in, not raised
