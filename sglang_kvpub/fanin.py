@@ -188,6 +188,7 @@ class FanIn:
         self._puller: ChannelPuller | None = None
         self._packets: PacketListener | None = None  # the unixpkt:// channel instead of a PULL
         self._next_beat = self._next_liveness = 0.0  # loop timers (monotonic)
+        self.pub_connects = False  # the PUB connects instead of binding (said in the start line)
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._log_malformed = _RateLog()
         self._log_gap = _RateLog()
@@ -209,10 +210,11 @@ class FanIn:
         pub.setsockopt(zmq.LINGER, 0)
         apply_server(pub, curve)
         try:
-            if should_bind(config.endpoint, config.bind):
-                pub.bind(config.endpoint)
-            else:
+            self.pub_connects = not should_bind(config.endpoint, config.bind)
+            if self.pub_connects:
                 pub.connect(config.endpoint)
+            else:
+                pub.bind(config.endpoint)
             if config.replay_endpoint:
                 router = context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -234,8 +236,9 @@ class FanIn:
         self._thread = threading.Thread(target=self._run, name="kvpub-fanin", daemon=True)
         self._thread.start()
         log.info(
-            "kvpub fan-in: epoch %d, PUB %s, replay %s, channel %s, dp_size %d",
+            "kvpub fan-in: epoch %d, PUB %s %s, replay %s, channel %s, dp_size %d",
             self.epoch,
+            "CONNECTS to (a subscriber must bind there)" if self.pub_connects else "bound on",
             config.endpoint,
             config.replay_endpoint,
             self.channel_endpoint if self.listen_channel else "-",
