@@ -335,6 +335,15 @@ class StreamSubscriber:
             return
         if self._next_reconnect is None:
             self._next_reconnect = now + self._backoff
+            # Dead (or cut off): its blocks must not attract requests; a reconnection
+            # rebuilds them from the replay snapshot.
+            self._clear_scope()
+            log.warning(
+                "stream %s: silent for %.1f s: instance %s marked dead, its blocks dropped",
+                self.endpoint,
+                now - heard,
+                self.instance_id,
+            )
         if now < self._next_reconnect:
             return
         self._rlog.warning("silent", "stream %s: silent for %.1f s, reconnecting", self.endpoint, now - heard)

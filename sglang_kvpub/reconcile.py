@@ -637,12 +637,14 @@ def reconcile_on_idle(scheduler: Any, budget_s: float = SLICE_BUDGET_S) -> None:
     if tree is None or getattr(tree, "disable", False):
         return
     core = tree_of(tree)
-    work = core.__dict__.get(_IDLE_WORK)
-    if work is None:
-        work = core.__dict__[_IDLE_WORK] = _idle_work(core, budget_s)
-    if work is _NOTHING or guard.disabled(guard.RECONCILE):
+    if guard.disabled(guard.RECONCILE):
         return
     try:
+        work = core.__dict__.get(_IDLE_WORK)
+        if work is None:
+            work = core.__dict__[_IDLE_WORK] = _idle_work(core, budget_s)
+        if work is _NOTHING:
+            return
         resync = take_resync_request()
         if isinstance(work, Reconciler):
             if resync:
