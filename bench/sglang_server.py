@@ -170,6 +170,7 @@ class ServerSpec:
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     shim_dir: Path | None = None
+    extra_paths: Sequence[Path] = ()  # before shim_dir on PYTHONPATH (bench/server_probe)
     device: str = "cpu"
 
     def assign_ports(self) -> None:
@@ -254,9 +255,11 @@ class ServerSpec:
             # One OpenMP core group per DP rank (SGLang asserts it); ranks share the cores here.
             cores = os.cpu_count() or 1
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(self.dp_size))
+        paths = [str(p) for p in self.extra_paths]
         if self.shim_dir is not None:
-            paths = [str(self.shim_dir), env.get("PYTHONPATH", "")]
-            env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+            paths.append(str(self.shim_dir))
+        if paths:
+            env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.update(self.env)
         return env
 
