@@ -330,16 +330,17 @@ def _factory_create_hook(
     to SGLang's own per-rank publisher, logged once and counted (guard.py)."""
     if guard.disabled(guard.FACTORY) or not is_enabled() or not config:
         return original(cls, config, attn_dp_rank)
+    if _publisher_name(config) not in SERVED_PUBLISHERS:
+        return original(cls, config, attn_dp_rank)
     try:
-        if _publisher_name(config) not in SERVED_PUBLISHERS:
-            return original(cls, config, attn_dp_rank)
         publisher = _start_rank_publisher(config, attn_dp_rank)
     except (ConfigError, sglang_compat.IncompatibleSGLang):
         raise
     except Exception as exc:
         guard.fail(guard.FACTORY, exc)
-        return original(cls, config, attn_dp_rank)
-    return publisher
+        publisher = None
+    # SGLang's factory runs outside the guarded part: its own errors stay SGLang's.
+    return publisher if publisher is not None else original(cls, config, attn_dp_rank)
 
 
 def _start_rank_publisher(config: str, attn_dp_rank: int) -> KvPubEventPublisher:

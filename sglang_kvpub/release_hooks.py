@@ -513,15 +513,14 @@ def _make_outer_hook(unified: bool, component: bool = False) -> Callable[..., An
                 tracker = recorder._kvpub_tracker
             except AttributeError:
                 recorder = getattr(tree, "kv_events", None)
-                if recorder is None:
-                    return original(self, *args, **kwargs)
-                tracker = tracker_of(recorder)
-            enabled = recorder.enabled
+                tracker = None if recorder is None else tracker_of(recorder)
+            enabled = recorder is not None and recorder.enabled
         except Exception as exc:
             guard.fail(_OFF, exc)
+            enabled = False
+        if not enabled:  # SGLang's original is called outside every guarded part
             return original(self, *args, **kwargs)
-        if not enabled:
-            return original(self, *args, **kwargs)
+        assert tracker is not None
         depth = tracker.depth
         if depth:  # nested: the outermost operation settles
             tracker.depth = depth + 1
