@@ -7,9 +7,9 @@ idle reconciliation, cache-aware dispatch).  Both serve the same workload, round
 alternating which goes first, so machine noise hits both alike:
 
 - *throughput*: ``--requests`` /generate requests (prompts of ``--prompt-tokens`` in groups
-  sharing a prefix, ``--new-tokens`` each) from ``--concurrency`` clients; requests/s per
-  round, median over rounds; ``throughput_cost_pct`` = (1 - plugin/plain) x 100
-  (target <= 2 %);
+  sharing a prefix, ``--new-tokens`` each, request n pinned to rank n % 2 on both servers so
+  the batches match) from ``--concurrency`` clients; requests/s per round, median over
+  rounds; ``throughput_cost_pct`` = (1 - plugin/plain) x 100 (target <= 2 %);
 - *per-step scheduler time*: a probe (bench/server_probe, loaded into both servers) times
   each scheduler step's ``get_next_batch_to_run`` + ``process_batch_result`` in thread CPU
   time - the part of a step where tree operations, event flushes and every per-step
@@ -53,10 +53,18 @@ def _workload(round_index: int, requests: int, prompt_tokens: int) -> list[list[
 
 
 def _run(server: sglang_server.Server, prompts: Sequence[list[int]], concurrency: int, new_tokens: int) -> float:
-    """Requests per second for ``prompts`` sent by ``concurrency`` clients."""
+    """Requests per second for ``prompts`` sent by ``concurrency`` clients.  Request ``n``
+    is pinned to rank ``n % 2`` on both servers: the batches are the same, so the
+    comparison measures the plugin's cost, not what its dispatch changes (the hits it
+    brings are measured by the server tier and the end-to-end bench)."""
+
+    def send(item: tuple[int, list[int]]) -> Any:
+        n, ids = item
+        return server.generate(ids, max_new_tokens=new_tokens, dp_rank=n % 2)
+
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        for result in pool.map(lambda ids: server.generate(ids, max_new_tokens=new_tokens), prompts):
+        for result in pool.map(send, enumerate(prompts)):
             assert result["meta_info"]["completion_tokens"] == new_tokens
     return len(prompts) / (time.perf_counter() - start)
 
