@@ -206,6 +206,8 @@ class CacheAwareDispatcher:
         self.instance = instance
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
+        # Per rank: (wall time, tokens) committed since SGLang's last load snapshot of it.
+        self.commits: list[list[tuple[float, float]]] = [[] for _ in range(dp_size)]
         self._rank_list = list(range(dp_size))  # never handed out for mutation
         self._rotation = 0
         self._counts: collections.Counter[str] = collections.Counter()
@@ -553,15 +555,36 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
     if rank is not None:
         committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched
         dispatcher.inflight.add(rank, committed)
-        if budget is not None and rank < len(budget.total_tokens):
+        if rank < len(dispatcher.commits):
+            dispatcher.commits[rank].append((time.time(), float(committed)))
+        if budget is not None and rank < len(budget.total_requests):
             budget.total_requests[rank] += 1  # SGLang's own speculative +1 (DPBudget.dispatch)
-            budget.total_tokens[rank] += committed
     return rank
+
+
+_COMMIT_RATE = math.log(2.0) / 2.0  # commits decay with a 2 s half-life, as InflightLoad
+
+
+def _with_commits(dispatcher: CacheAwareDispatcher, budget: Any) -> list[float]:
+    """SGLang's snapshot loads plus our commits made after each rank's snapshot, decaying.
+
+    Not added into SGLang's ``DPBudget``: a commit stays there until the rank's next
+    snapshot, and an idle rank may send none - then a cold request's whole prompt kept
+    counting against the rank that now holds it, and a repeat went elsewhere."""
+    now = time.time()
+    loads = list(budget.total_tokens)
+    for rank, commits in enumerate(dispatcher.commits):
+        if not commits or rank >= len(loads):
+            continue
+        seen = budget.last_timestamp[rank]
+        commits[:] = [c for c in commits if c[0] > seen]  # covered by the snapshot: dropped
+        loads[rank] += sum(tokens * math.exp(-_COMMIT_RATE * (now - at)) for at, tokens in commits)
+    return loads
 
 
 def _controller_loads(controller: Any, dispatcher: CacheAwareDispatcher) -> tuple[list[float], Any]:
     """SGLang's token loads (``DPBudget.total_tokens``: KV tokens in use plus queued tokens,
-    from the ranks' load snapshots, plus speculative commits) when its snapshots are fresh;
+    from the ranks' load snapshots, plus our decaying commits since) when its snapshots are fresh;
     else the dispatcher's decaying in-flight estimate.  Returns (loads, budget or None)."""
     budget = getattr(controller, "dp_budget", None)
     if budget is None:
@@ -572,5 +595,5 @@ def _controller_loads(controller: Any, dispatcher: CacheAwareDispatcher) -> tupl
         controller.refresh_load_budget()
     newest = max(budget.last_timestamp, default=0.0)
     if newest > 0.0 and time.time() - newest < SNAPSHOT_STALE_S:
-        return budget.total_tokens, budget
+        return _with_commits(dispatcher, budget), budget
     return dispatcher.inflight.values(), None
