@@ -107,6 +107,10 @@ TARGETS: tuple[Target, ...] = (
     Target("dispatch", "decision_us_p99_cold", "<=", 50.0),
     Target("dispatch", "decision_us_p99_partial", "<=", 50.0),
     Target("dispatch", "decision_us_p99_full_hit", "<=", 50.0),
+    Target("server", "throughput_cost_pct", "<=", 2.0, where=(("tree_core", "rust"),)),
+    Target("server", "step_overhead_us_median", "<=", 20.0, where=(("tree_core", "rust"),)),
+    Target("server", "throughput_cost_pct", "<=", 2.0, where=(("tree_core", "python"),)),
+    Target("server", "step_overhead_us_median", "<=", 20.0, where=(("tree_core", "python"),)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _CONVERSATION)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _SYNTHETIC)),
 )

@@ -47,6 +47,7 @@ class Bench:
     script: str  # relative to the repository root
     args: tuple[str, ...] = ()  # always passed
     quick: tuple[tuple[str, str | None], ...] = ()  # (flag, value or None for a switch) under --quick
+    min_timeout_s: float = 0.0  # a bench that starts real servers needs more than --timeout
 
 
 BENCHES: tuple[Bench, ...] = (
@@ -64,6 +65,8 @@ BENCHES: tuple[Bench, ...] = (
     Bench("index", "bench/index.py", quick=(("--blocks", "100000"), ("--queries", "200"), ("--no-memory", None))),
     Bench("service", "bench/service.py", quick=(("--seconds", "1"), ("--rounds", "1"), ("--clients", "16"))),
     Bench("dispatch", "bench/dispatch.py", quick=(("--decisions", "300"), ("--prompts", "20"))),
+    # Two real SGLang servers (plain, plugin) per tree core; minutes, not seconds.
+    Bench("server", "bench/server.py", quick=(("--quick", None),), min_timeout_s=3600.0),
     Bench(
         "routing",
         "bench/routing.py",
@@ -145,7 +148,9 @@ def run_bench(bench: Bench, quick: bool, timeout_s: float, out_dir: Path | None 
     started = time.monotonic()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=max(timeout_s, bench.min_timeout_s), cwd=ROOT, env=env
+        )
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
         status = "ok" if code == 0 else "failed"
     except subprocess.TimeoutExpired as exc:

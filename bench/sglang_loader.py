@@ -147,45 +147,9 @@ def _skip_reason(deps: Sequence[str], what: str) -> str:
 # --------------------------------------------------------------------------- torchvision
 
 
-class _AnyAttrModule(types.ModuleType):
-    """A module whose every public attribute is a MagicMock (SGLang only references them)."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        from unittest.mock import MagicMock
-
-        value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
-
-
-class _TorchvisionStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers every ``torchvision[.x.y]`` import with a stub package that has a real spec
-    (transformers calls ``find_spec("torchvision")`` and imports ``transforms.v2``)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname == "torchvision" or fullname.startswith("torchvision."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        return _AnyAttrModule(spec.name)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        module.__path__ = []
-        module.__version__ = "0.0.0+kvpub.stub"  # type: ignore[attr-defined]
-
-
-def install_torchvision_stub() -> bool:
-    """Installs the stub unless a torchvision is importable; True if the stub is active."""
-    if any(isinstance(f, _TorchvisionStub) for f in sys.meta_path):
-        return True
-    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
-        return False
-    sys.meta_path.insert(0, _TorchvisionStub())
-    return True
-
+# The stub lives beside the CPU stand-ins: the real-server tier's sitecustomize loads the same
+# module in server processes.
+from bench.cpu_shims.torchvision_stub import install_torchvision_stub  # noqa: E402
 
 # --------------------------------------------------------------------------- strategies
 

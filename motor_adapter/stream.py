@@ -336,6 +336,19 @@ class StreamSubscriber:
             return
         if self._next_reconnect is None:
             self._next_reconnect = now + self._backoff
+            # Dead (or cut off): its blocks must not attract requests.  Only the index is
+            # cleared; the stream's own state is kept, so a restart is still recognised and
+            # the reconnection's sync rebuilds the blocks from the replay snapshot.
+            if self.dp_rank_override is None:
+                self._index.clear_instance(self.instance_id)
+            else:
+                self._index.clear_rank(self.instance_id, self.dp_rank_override)
+            log.warning(
+                "stream %s: silent for %.1f s: instance %s marked dead, its blocks dropped",
+                self.endpoint,
+                now - heard,
+                self.instance_id,
+            )
         if now < self._next_reconnect:
             return
         self._rlog.warning("silent", "stream %s: silent for %.1f s, reconnecting", self.endpoint, now - heard)

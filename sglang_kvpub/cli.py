@@ -9,7 +9,13 @@ from collections.abc import Sequence
 
 # Each subcommand lives in its own module with ``add_parser(subparsers)`` and is imported
 # only when listed here, so ``sglang-kvpub tail`` never pays for the demo's imports.
-_SUBCOMMANDS = ("sglang_kvpub.tail", "sglang_kvpub.sidecar", "sglang_kvpub.demo", "sglang_kvpub.security")
+_SUBCOMMANDS = (
+    "sglang_kvpub.tail",
+    "sglang_kvpub.sidecar",
+    "sglang_kvpub.demo",
+    "sglang_kvpub.security",
+    "sglang_kvpub.check_config",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

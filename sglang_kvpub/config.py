@@ -94,7 +94,7 @@ class PluginConfig:
     rank_queue_size: int = 10_000
     full_policy: FullPolicy = "drop_oldest"
     rank_send: RankSendName = "inline"
-    dp_dispatch: DispatchName = "default"
+    dp_dispatch: DispatchName = "cache_aware"  # the default with the plugin (issue #21); "default" opts out
     # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
     curve_secret_key_file: Union[str, None] = None
     curve_public_key_file: Union[str, None] = None

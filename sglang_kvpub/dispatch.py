@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from sglang_kvpub import guard
 from sglang_kvpub.hashing import BASE_SEED, lora_seed, tokens_u32
 from sglang_kvpub.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
@@ -203,6 +204,8 @@ class CacheAwareDispatcher:
         self.instance = instance
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
+        # Per rank: (wall time, tokens) committed since SGLang's last load snapshot of it.
+        self.commits: list[list[tuple[float, float]]] = [[] for _ in range(dp_size)]
         self._rank_list = list(range(dp_size))  # never handed out for mutation
         self._rotation = 0
         self._counts: collections.Counter[str] = collections.Counter()
@@ -392,53 +395,53 @@ class CacheAwareDispatcher:
 
 
 def feed_from_fanin(fanin: Any, dispatcher: CacheAwareDispatcher) -> str:
-    """Feeds every rank batch the fan-in ingests to ``dispatcher``; returns how.
+    """Feeds every rank batch the fan-in forwards to ``dispatcher``; returns how.
 
-    ``"observer"`` when the FanIn offers ``add_observer(fn(dp_rank, batch))``; otherwise
-    ``"ingest_wrapper"``: the instance's ``ingest`` is wrapped (the fan-in thread calls it
-    for every channel batch), payloads are decoded once more, and a new ``rank_epoch``
-    clears the rank.  Failures are counted and logged, never raised into the fan-in.
+    ``"observer"``: the FanIn's :meth:`~sglang_kvpub.fanin.FanIn.add_observer`, which is
+    called from the one per-message step every path takes (internal channel of either
+    kind, and ``ingest``).  Payloads are decoded once more here (the fan-in forwards them
+    undecoded); a rank restart clears the rank.  A batch that does not decode is counted
+    and logged; any other failure switches dispatch off (guard.py): SGLang's policy runs.
     """
-    add_observer = getattr(fanin, "add_observer", None)
-    if callable(add_observer):
-        add_observer(lambda dp_rank, batch: dispatcher.observe(batch, dp_rank))
-        return "observer"
-    original = fanin.ingest
     trusted = msgspec.msgpack.Decoder(EventBatch)
     decoder = BatchDecoder()
-    epochs: dict[int, int] = {}
     failures = [0]
 
-    def ingest(dp_rank: int, rank_epoch: int, rank_seq: int, batch_or_payload: EventBatch | bytes) -> None:
-        original(dp_rank, rank_epoch, rank_seq, batch_or_payload)
+    def on_batch(dp_rank: int, batch_or_payload: EventBatch | bytes) -> None:
+        if guard.DISPATCH in guard._disabled:
+            return
         try:
-            if epochs.setdefault(dp_rank, rank_epoch) != rank_epoch:
-                epochs[dp_rank] = rank_epoch
-                dispatcher.rank_restarted(dp_rank)
             if isinstance(batch_or_payload, EventBatch):
                 batch = batch_or_payload
-            elif not batch_or_payload:
-                return  # rank heartbeat
             else:
                 try:
                     batch = trusted.decode(batch_or_payload)
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     batch = decoder.decode(batch_or_payload)
             dispatcher.observe(batch, dp_rank)
-        except (WireError, ValueError, TypeError) as exc:
+        except WireError as exc:
             failures[0] += 1
             if failures[0] <= 10 or failures[0] % 1000 == 0:
                 log.warning("kvpub dispatch: rank %d batch not indexed (%s; occurrence %d)", dp_rank, exc, failures[0])
+        except Exception as exc:
+            guard.fail(guard.DISPATCH, exc)
 
-    fanin.ingest = ingest
-    return "ingest_wrapper"
+    def on_restart(dp_rank: int) -> None:
+        if guard.DISPATCH in guard._disabled:
+            return
+        try:
+            dispatcher.rank_restarted(dp_rank)
+        except Exception as exc:
+            guard.fail(guard.DISPATCH, exc)
+
+    fanin.add_observer(on_batch, on_restart)
+    return "observer"
 
 
 # --------------------------------------------------------------------------- SGLang edge
 
 _installed = False
 _install_lock = threading.Lock()
-_error_logs = [0]
 
 
 def install_dispatch_hook(registry: Any = None, hook_type: Any = None, *, apply: bool = False) -> list[str]:
@@ -481,20 +484,32 @@ def attach_dispatcher(controller: Any, *, block_size: int, fanin: Any = None, **
 
 
 def _dispatch_hook(original: Callable[..., Any], self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND hook of the controller's policy methods: explicit rank first, then ours."""
+    """AROUND hook of the controller's policy methods: explicit rank first, then ours.
+
+    SGLang's own calls (explicit-rank routing, the socket send) stay outside the guarded
+    part, so their errors are SGLang's as without the plugin; a failure of ours switches
+    dispatch off for the process (guard.py) and SGLang's policy sends this request."""
     dispatcher: CacheAwareDispatcher | None = getattr(self, CONTROLLER_ATTR, None)
-    if dispatcher is None:
+    if dispatcher is None or guard.DISPATCH in guard._disabled:
         return original(self, req, *args, **kwargs)
     if self.maybe_external_dp_rank_routing(req):  # SGLang's order: an explicit rank wins
         dispatcher.count(REASON_EXPLICIT)
         return None
-    if getattr(req, "data_parallel_rank", None) is not None:  # pre-migration alias (older structs)
-        dispatcher.count(REASON_EXPLICIT)
-        return original(self, req, *args, **kwargs)
-    rank = _choose_rank(self, dispatcher, req)
+    try:
+        if getattr(req, "data_parallel_rank", None) is not None:  # pre-migration alias (older structs)
+            dispatcher.count(REASON_EXPLICIT)
+            rank = None
+        else:
+            rank = _choose_rank(self, dispatcher, req)
+        if rank is not None:
+            send, worker = _sock_send(self), self.workers[rank]
+    except Exception as exc:
+        dispatcher.count(REASON_ERROR)
+        guard.fail(guard.DISPATCH, exc)
+        rank = None
     if rank is None:
         return original(self, req, *args, **kwargs)
-    _sock_send(self)(self.workers[rank], req)
+    send(worker, req)
     return None
 
 
@@ -509,33 +524,45 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
     if token_ids is None:
         dispatcher.count(REASON_NO_TOKENS)
         return None
-    try:
-        loads, budget = _controller_loads(controller, dispatcher)
-        candidates = [
-            r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None
-        ]
-        decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
-    except Exception as exc:  # never let the dispatcher break SGLang's dispatch
-        dispatcher.count(REASON_ERROR)
-        _error_logs[0] += 1
-        if _error_logs[0] <= 10 or _error_logs[0] % 1000 == 0:
-            log.warning("kvpub dispatch failed, SGLang's policy used (%r; occurrence %d)", exc, _error_logs[0])
-        return None
+    loads, budget = _controller_loads(controller, dispatcher)
+    candidates = [r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None]
+    decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s rid=%s", decision.log_line(), getattr(req, "rid", None))
     rank = decision.rank
     if rank is not None:
         committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched
         dispatcher.inflight.add(rank, committed)
-        if budget is not None and rank < len(budget.total_tokens):
+        if rank < len(dispatcher.commits):
+            dispatcher.commits[rank].append((time.time(), float(committed)))
+        if budget is not None and rank < len(budget.total_requests):
             budget.total_requests[rank] += 1  # SGLang's own speculative +1 (DPBudget.dispatch)
-            budget.total_tokens[rank] += committed
     return rank
+
+
+_COMMIT_RATE = math.log(2.0) / 2.0  # commits decay with a 2 s half-life, as InflightLoad
+
+
+def _with_commits(dispatcher: CacheAwareDispatcher, budget: Any) -> list[float]:
+    """SGLang's snapshot loads plus our commits made after each rank's snapshot, decaying.
+
+    Not added into SGLang's ``DPBudget``: a commit stays there until the rank's next
+    snapshot, and an idle rank may send none - then a cold request's whole prompt kept
+    counting against the rank that now holds it, and a repeat went elsewhere."""
+    now = time.time()
+    loads = list(budget.total_tokens)
+    for rank, commits in enumerate(dispatcher.commits):
+        if not commits or rank >= len(loads):
+            continue
+        seen = budget.last_timestamp[rank]
+        commits[:] = [c for c in commits if c[0] > seen]  # covered by the snapshot: dropped
+        loads[rank] += sum(tokens * math.exp(-_COMMIT_RATE * (now - at)) for at, tokens in commits)
+    return loads
 
 
 def _controller_loads(controller: Any, dispatcher: CacheAwareDispatcher) -> tuple[list[float], Any]:
     """SGLang's token loads (``DPBudget.total_tokens``: KV tokens in use plus queued tokens,
-    from the ranks' load snapshots, plus speculative commits) when its snapshots are fresh;
+    from the ranks' load snapshots, plus our decaying commits since) when its snapshots are fresh;
     else the dispatcher's decaying in-flight estimate.  Returns (loads, budget or None)."""
     budget = getattr(controller, "dp_budget", None)
     if budget is None:
@@ -546,5 +573,5 @@ def _controller_loads(controller: Any, dispatcher: CacheAwareDispatcher) -> tupl
         controller.refresh_load_budget()
     newest = max(budget.last_timestamp, default=0.0)
     if newest > 0.0 and time.time() - newest < SNAPSHOT_STALE_S:
-        return budget.total_tokens, budget
+        return _with_commits(dispatcher, budget), budget
     return dispatcher.inflight.values(), None

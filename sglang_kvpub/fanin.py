@@ -60,7 +60,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -169,6 +169,9 @@ class FanIn:
         self._trusted = msgspec.msgpack.Decoder(EventBatch)
         self._fast = raw_batch_decoder()
         self._pending: list[tuple[int, list[Any]]] = []  # (dp_rank, events) not yet in residency
+        # Observers (the cache-aware dispatcher): every forwarded rank batch, after it is out.
+        self._observers: list[tuple[BatchObserver, RestartObserver | None]] = []
+        self._observed: list[tuple[int, EventBatch | bytes]] = []
         self._outbox: list[bytes] = []  # payloads of the current burst, not yet published
         self._lock = threading.Lock()
         self._counter = 0
@@ -185,6 +188,7 @@ class FanIn:
         self._puller: ChannelPuller | None = None
         self._packets: PacketListener | None = None  # the unixpkt:// channel instead of a PULL
         self._next_beat = self._next_liveness = 0.0  # loop timers (monotonic)
+        self.pub_connects = False  # the PUB connects instead of binding (said in the start line)
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._log_malformed = _RateLog()
         self._log_gap = _RateLog()
@@ -206,10 +210,11 @@ class FanIn:
         pub.setsockopt(zmq.LINGER, 0)
         apply_server(pub, curve)
         try:
-            if should_bind(config.endpoint, config.bind):
-                pub.bind(config.endpoint)
-            else:
+            self.pub_connects = not should_bind(config.endpoint, config.bind)
+            if self.pub_connects:
                 pub.connect(config.endpoint)
+            else:
+                pub.bind(config.endpoint)
             if config.replay_endpoint:
                 router = context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -231,8 +236,9 @@ class FanIn:
         self._thread = threading.Thread(target=self._run, name="kvpub-fanin", daemon=True)
         self._thread.start()
         log.info(
-            "kvpub fan-in: epoch %d, PUB %s, replay %s, channel %s, dp_size %d",
+            "kvpub fan-in: epoch %d, PUB %s %s, replay %s, channel %s, dp_size %d",
             self.epoch,
+            "CONNECTS to (a subscriber must bind there)" if self.pub_connects else "bound on",
             config.endpoint,
             config.replay_endpoint,
             self.channel_endpoint if self.listen_channel else "-",
@@ -265,6 +271,30 @@ class FanIn:
         if self._packets is not None:
             self._packets.close()
             self._packets = None
+
+    # ------------------------------------------------------------------ observers
+
+    def add_observer(self, on_batch: BatchObserver, on_restart: RestartObserver | None = None) -> None:
+        """``on_batch(dp_rank, batch_or_payload)`` for every rank batch the fan-in forwards -
+        from the internal channel (either kind) or :meth:`ingest` alike: it is called from
+        the one per-message step (:meth:`_forward`), after the batch is published.  The
+        payload is the instance-tagged bytes as published (or the EventBatch given to
+        ``ingest``).  ``on_restart(dp_rank)`` when a rank comes back with a new epoch,
+        after its old batches.  Called on the fan-in thread; exceptions are counted
+        (``observer_errors``), never raised into the loop."""
+        with self._lock:
+            self._observers.append((on_batch, on_restart))
+
+    def _notify(self) -> None:
+        """Under the lock: hands the observed batches to the observers, in arrival order."""
+        observed, self._observed = self._observed, []
+        for dp_rank, item in observed:
+            for on_batch, _ in self._observers:
+                try:
+                    on_batch(dp_rank, item)
+                except Exception as exc:
+                    self._counts["observer_errors"] += 1
+                    self._log_malformed("kvpub fan-in: observer failed on rank %d: %r", dp_rank, exc)
 
     # ------------------------------------------------------------------ ingest
 
@@ -312,9 +342,15 @@ class FanIn:
         self._outbox.append(payload)
         if events:
             self._pending.append((dp_rank, events))
+            if self._observers:
+                observed = batch_or_payload if isinstance(batch_or_payload, EventBatch) else payload
+                self._observed.append((dp_rank, observed))
 
     def _apply_pending(self) -> None:
-        """Under the lock: applies queued batches to the ranks' residency, in arrival order."""
+        """Under the lock: applies queued batches to the ranks' residency, in arrival order,
+        then hands them to the observers."""
+        if self._observed:
+            self._notify()
         pending = self._pending
         if pending:
             self._pending = []
@@ -404,6 +440,13 @@ class FanIn:
         log.warning("kvpub fan-in: rank %d restarted (new rank epoch); clearing its blocks", dp_rank)
         self._apply_pending()  # the old epoch's batches first, then the clear
         self._residency_of(dp_rank).clear()
+        for _, on_restart in self._observers:
+            if on_restart is not None:
+                try:
+                    on_restart(dp_rank)
+                except Exception as exc:
+                    self._counts["observer_errors"] += 1
+                    self._log_malformed("kvpub fan-in: observer failed on rank %d restart: %r", dp_rank, exc)
         clear = EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)
         self._outbox.append(self._encoder.encode(clear))  # before the new epoch's first batch
         self._counts["rank_restarts"] += 1
@@ -723,4 +766,8 @@ _COUNTERS = (
     "rank_silences",
     "pub_dropped",
     "loop_errors",
+    "observer_errors",
 )
+
+BatchObserver = Callable[[int, EventBatch | bytes], None]
+RestartObserver = Callable[[int], None]

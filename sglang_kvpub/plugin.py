@@ -39,7 +39,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sglang_kvpub import sglang_compat
+from sglang_kvpub import guard, sglang_compat, tree_cores
 from sglang_kvpub.config import ConfigError, PluginConfig
 
 __all__ = [
@@ -196,7 +196,17 @@ def _from_cli_args_hook(original: Callable[..., Any], cls: Any, args: argparse.N
         )
         enable()
         log.info("sglang_kvpub enabled: one instance KV-event stream for all DP ranks")
+        _log_tree_core(getattr(args, "device", None))
     return original(cls, args, *rest)
+
+
+def _log_tree_core(device: str | None) -> None:
+    """The one start line naming what the predicted tree core cannot guarantee."""
+    core = tree_cores.predict_core(device)
+    where = f"{tree_cores.BACKEND_ENV}={os.environ.get(tree_cores.BACKEND_ENV, 'rust (default)')}, --device {device}"
+    line = tree_cores.limit_line(core, where)
+    if line is not None:
+        log.warning("%s", line)
 
 
 def validate_launch(
@@ -257,6 +267,7 @@ class KvPubEventPublisher:
     def __init__(self, rank: Any, fanin: Any | None = None) -> None:
         self.rank = rank
         self.fanin = fanin
+        self.dropped = 0  # batches not handed on once the step feature is off
         self._closed = False
         atexit.register(self.shutdown)
 
@@ -279,7 +290,15 @@ class KvPubEventPublisher:
         return cls(rank, fanin)
 
     def publish(self, events: Any) -> None:
-        self.rank.publish(events)
+        # The scheduler's flush calls this every step: a failure here must not reach it.
+        if guard.STEP in guard._disabled:
+            self.dropped += 1
+            return
+        try:
+            self.rank.publish(events)
+        except Exception as exc:
+            self.dropped += 1
+            guard.fail(guard.STEP, exc)
 
     def shutdown(self) -> None:
         if self._closed:
@@ -305,9 +324,26 @@ def _channel_of(config: PluginConfig, fanin: Any | None) -> str:
 def _factory_create_hook(
     original: Callable[..., Any], cls: Any, config: str | None = None, attn_dp_rank: int = 0
 ) -> Any:
-    """``EventPublisherFactory.create``: ours for served publishers when enabled, else SGLang's."""
-    if not is_enabled() or not config or _publisher_name(config) not in SERVED_PUBLISHERS:
+    """``EventPublisherFactory.create``: ours for served publishers when enabled, else SGLang's.
+
+    A bad configuration stops the start (named key); any other failure of ours falls back
+    to SGLang's own per-rank publisher, logged once and counted (guard.py)."""
+    if guard.disabled(guard.FACTORY) or not is_enabled() or not config:
         return original(cls, config, attn_dp_rank)
+    if _publisher_name(config) not in SERVED_PUBLISHERS:
+        return original(cls, config, attn_dp_rank)
+    try:
+        publisher = _start_rank_publisher(config, attn_dp_rank)
+    except (ConfigError, sglang_compat.IncompatibleSGLang):
+        raise
+    except Exception as exc:
+        guard.fail(guard.FACTORY, exc)
+        publisher = None
+    # SGLang's factory runs outside the guarded part: its own errors stay SGLang's.
+    return publisher if publisher is not None else original(cls, config, attn_dp_rank)
+
+
+def _start_rank_publisher(config: str, attn_dp_rank: int) -> KvPubEventPublisher:
     plugin_config = PluginConfig.from_kv_events_json(config)
     topology = sglang_compat.scheduler_topology()
     publisher = KvPubEventPublisher.start(
@@ -348,8 +384,15 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
         return original(self, *args, **kwargs)
     server_args = kwargs.get("server_args", args[0] if args else None)
     kv_events_config = getattr(server_args, "kv_events_config", None)
-    topology = sglang_compat.controller_topology()
-    fanin = start_controller_fanin(kv_events_config, topology)
+    fanin = topology = None
+    if not guard.disabled(guard.FANIN):
+        try:
+            topology = sglang_compat.controller_topology()
+            fanin = start_controller_fanin(kv_events_config, topology)
+        except (ConfigError, sglang_compat.IncompatibleSGLang):
+            raise
+        except Exception as exc:  # e.g. the instance port is taken: SGLang still serves
+            guard.fail(guard.FANIN, exc)
     try:
         result = original(self, *args, **kwargs)
     except BaseException:
@@ -357,12 +400,25 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
             fanin.stop()
         raise
     self.kvpub_fanin = fanin
-    if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch == "cache_aware":
+    _attach_dispatch(self, kv_events_config, topology, fanin)
+    return result
+
+
+def _attach_dispatch(controller: Any, kv_events_config: str | None, topology: Any, fanin: Any | None) -> None:
+    """Cache-aware dispatch (the default; ``dp_dispatch: "default"`` opts out), contained."""
+    if guard.disabled(guard.DISPATCH):
+        return
+    try:
+        if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch != "cache_aware":
+            log.info('sglang_kvpub: dp_dispatch "default": SGLang\'s --load-balance-method dispatches')
+            return
         from sglang_kvpub.dispatch import attach_dispatcher
 
-        attach_dispatcher(self, block_size=topology.block_size, fanin=fanin)
+        topology = topology or sglang_compat.controller_topology()
+        attach_dispatcher(controller, block_size=topology.block_size, fanin=fanin)
         log.info("sglang_kvpub: cache-aware DP dispatch on (requests with a routed_dp_rank keep it)")
-    return result
+    except Exception as exc:
+        guard.fail(guard.DISPATCH, exc)
 
 
 # --------------------------------------------------------------------------- /server_info
@@ -388,6 +444,16 @@ def describe_instance_stream(descriptor: dict[str, Any] | None) -> dict[str, Any
 
 
 def _describe_hook(result: dict[str, Any] | None, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
-    if not is_enabled():
+    if not is_enabled() or guard.disabled(guard.DESCRIBE):
         return result
-    return describe_instance_stream(result)
+    try:
+        described = describe_instance_stream(result)
+        if described is not None and described is not result:
+            server_args = kwargs.get("server_args", args[0] if args else None)
+            device = getattr(server_args, "device", None)
+            described["tree_core"] = tree_cores.describe(tree_cores.predict_core(device))
+            described["plugin_failures"] = guard.stats()["failures"]
+        return described
+    except Exception as exc:
+        guard.fail(guard.DESCRIBE, exc)
+        return result

@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from sglang_kvpub import guard, tree_cores
 from sglang_kvpub.rank_publisher import take_resync_request
 from sglang_kvpub.release_hooks import (
     Tracker,
@@ -64,7 +66,10 @@ __all__ = [
     "install_reconcile_hook",
     "reconcile_on_idle",
     "SLICE_BUDGET_S",
+    "EventDriftWatch",
 ]
+
+log = logging.getLogger(__name__)
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 # Per-slice budget (wall clock): half of the 1 ms of scheduler time a step may lose, so a
@@ -624,25 +629,126 @@ def _resync_cause(medium: str) -> str:
 
 
 def reconcile_on_idle(scheduler: Any, budget_s: float = SLICE_BUDGET_S) -> None:
-    """One bounded reconciliation slice for the scheduler's tree (call only when idle)."""
+    """One bounded reconciliation slice for the scheduler's tree (call only when idle).
+
+    On a core without a walkable tree (the Rust core) the drift is checked from the
+    core's events and counters instead; resync requests are consumed and reported."""
     tree = getattr(scheduler, "tree_cache", None)
     if tree is None or getattr(tree, "disable", False):
         return
     core = tree_of(tree)
-    recorder = getattr(core, "kv_events", None)
-    if recorder is None or not recorder.enabled or not hasattr(core, "root_node"):
+    if guard.disabled(guard.RECONCILE):
         return
-    reconciler = core.__dict__.get("_kvpub_reconciler")
-    if reconciler is None:
-        reconciler = Reconciler(core, budget_s)
-        core.__dict__["_kvpub_reconciler"] = reconciler
-    if take_resync_request():
-        reconciler.resync(RESYNC_FANIN)
-    reconciler.step()
+    try:
+        work = core.__dict__.get(_IDLE_WORK)
+        if work is None:
+            work = core.__dict__[_IDLE_WORK] = _idle_work(core, budget_s)
+        if work is _NOTHING:
+            return
+        resync = take_resync_request()
+        if isinstance(work, Reconciler):
+            if resync:
+                work.resync(RESYNC_FANIN)
+            work.step()
+        else:
+            work.step(resync)
+    except Exception as exc:
+        guard.fail(guard.RECONCILE, exc)
+
+
+_IDLE_WORK = "_kvpub_reconciler"  # a Reconciler or an EventDriftWatch
+_NOTHING: Any = object()
+
+
+def _idle_work(core: Any, budget_s: float) -> Any:
+    """The per-tree idle worker, decided once: a Reconciler on walkable trees, an
+    :class:`EventDriftWatch` on the Rust core; the tree core is named in one start line."""
+    recorder = getattr(core, "kv_events", None)
+    if recorder is None or not recorder.enabled:
+        return _NOTHING
+    kind = tree_cores.core_kind(core)
+    line = tree_cores.limit_line(kind, f"{type(core).__name__} in this scheduler")
+    if line is not None:
+        log.warning("%s", line)
+    else:
+        log.info("sglang_kvpub: %s tree core (%s): every guarantee holds", kind, type(core).__name__)
+    if kind == tree_cores.RUST:
+        return EventDriftWatch(core)
+    return Reconciler(core, budget_s)
+
+
+class EventDriftWatch:
+    """HBM truth on a core without a walkable tree: the announced GPU blocks followed from
+    the core's own events (its recorder's ``take`` is wrapped on the instance), compared
+    with its Full device counters when idle.  A difference is counted (``drift_checks``,
+    ``drift_seen``, ``last_drift``) and logged when it changes; it cannot be repaired.
+    A resync request (fan-in restart) cannot re-announce anything: counted and logged."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.tracker = Tracker()
+        self.page_size = max(1, int(getattr(core, "page_size", 1) or 1))
+        self.drift_checks = 0
+        self.drift_seen = 0
+        self.last_drift = 0
+        self.resyncs_impossible = 0
+        # Blocks stored before the wrap were never seen: no baseline, no check.
+        self.baseline_ok = self.device_pages() == 0
+        recorder = core.kv_events
+        original = recorder.take
+        tracker = self.tracker
+
+        def take(*args: Any, **kwargs: Any) -> Any:
+            events = original(*args, **kwargs)
+            if events and not guard.disabled(guard.RECONCILE):
+                try:
+                    tracker.absorb(events)
+                    tracker.queue_ref = None  # do not keep the taken list alive
+                except Exception as exc:
+                    guard.fail(guard.RECONCILE, exc)
+            return events
+
+        recorder.take = take
+
+    def device_pages(self) -> int:
+        core = self.core
+        return int(core.full_evictable_size() + core.full_protected_size()) // self.page_size
+
+    def drift(self) -> int:
+        return len(self.tracker.gpu) - self.device_pages()
+
+    def step(self, resync: bool = False) -> None:
+        if resync:
+            self.resyncs_impossible += 1
+            log.warning(
+                "sglang_kvpub: fan-in restarted but the %s tree core exposes no walkable tree: "
+                "this rank's cached blocks are not re-announced (they reappear as they are stored again)",
+                tree_cores.RUST,
+            )
+        if not self.baseline_ok:
+            return
+        self.drift_checks += 1
+        value = self.drift()
+        if value != self.last_drift:
+            self.last_drift = value
+            if value:
+                self.drift_seen += 1
+                log.warning(
+                    "sglang_kvpub: announced GPU blocks differ from the %s core's device pages by %d; "
+                    "no walkable tree to repair it (occurrence %d)",
+                    tree_cores.RUST,
+                    value,
+                    self.drift_seen,
+                )
 
 
 def _idle_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    reconcile_on_idle(scheduler)
+    if guard.disabled(guard.IDLE):
+        return result
+    try:
+        reconcile_on_idle(scheduler)
+    except Exception as exc:
+        guard.fail(guard.IDLE, exc)
     return result
 
 

@@ -34,6 +34,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from sglang_kvpub import guard
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 __all__ = [
@@ -447,22 +448,36 @@ def node_end_hashes(recorder: Any, node: Any) -> tuple[int, int] | tuple[()]:
 # end-of-operation check is inline.
 
 
+# Containment (guard.py): each hook calls SGLang's original exactly once, outside the
+# guarded part; a failure of the plugin's part switches the release feature off.
+_OFF = guard.RELEASE
+
+
 def _touch_hook(original: Callable[..., Any], self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
     result = original(self, node, *args, **kwargs)
+    if _OFF in guard._disabled:
+        return result
     try:
-        recorder = self.kv_events
+        _touched(self, node)
+    except Exception as exc:
+        guard.fail(_OFF, exc)
+    return result
+
+
+def _touched(tree: Any, node: Any) -> None:
+    try:
+        recorder = tree.kv_events
         tracker = recorder._kvpub_tracker
     except AttributeError:
-        recorder = getattr(self, "kv_events", None)
+        recorder = getattr(tree, "kv_events", None)
         if recorder is None:
-            return result
+            return
         tracker = tracker_of(recorder)
     if recorder.enabled:
         tracker.pending.append(node)
         if not tracker.depth:
-            tracker.tree = self
-            settle(self)
-    return result
+            tracker.tree = tree
+            settle(tree)
 
 
 def _unified_tokens(tree: Any) -> int:
@@ -489,17 +504,23 @@ def _make_outer_hook(unified: bool, component: bool = False) -> Callable[..., An
     """
 
     def outer_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-        tree: Any = getattr(self, "tree_core", None) if component else self
-        try:
-            recorder = tree.kv_events
-            tracker = recorder._kvpub_tracker
-        except AttributeError:
-            recorder = getattr(tree, "kv_events", None)
-            if recorder is None:
-                return original(self, *args, **kwargs)
-            tracker = tracker_of(recorder)
-        if not recorder.enabled:
+        if _OFF in guard._disabled:
             return original(self, *args, **kwargs)
+        try:
+            tree: Any = getattr(self, "tree_core", None) if component else self
+            try:
+                recorder = tree.kv_events
+                tracker = recorder._kvpub_tracker
+            except AttributeError:
+                recorder = getattr(tree, "kv_events", None)
+                tracker = None if recorder is None else tracker_of(recorder)
+            enabled = recorder is not None and recorder.enabled
+        except Exception as exc:
+            guard.fail(_OFF, exc)
+            enabled = False
+        if not enabled:  # SGLang's original is called outside every guarded part
+            return original(self, *args, **kwargs)
+        assert tracker is not None
         depth = tracker.depth
         if depth:  # nested: the outermost operation settles
             tracker.depth = depth + 1
@@ -520,19 +541,27 @@ def _make_outer_hook(unified: bool, component: bool = False) -> Callable[..., An
                 tracker.depth = 0
                 if tracker.pending:
                     tracker.pending.clear()
-        tracker.absorb(recorder._queue)
+        balance: int | None = None
         try:
-            tokens = _unified_tokens(tree) if unified else _legacy_tokens(tree)
-            balance: int | None = len(tracker.gpu) - tokens // tree.page_size
-        except _COUNT_ERRORS:
-            balance = None
+            tracker.absorb(recorder._queue)
+            try:
+                tokens = _unified_tokens(tree) if unified else _legacy_tokens(tree)
+                balance = len(tracker.gpu) - tokens // tree.page_size
+            except _COUNT_ERRORS:
+                balance = None
+        except Exception as exc:
+            guard.fail(_OFF, exc)
+            return original(self, *args, **kwargs)
         tracker.depth = 1
         try:
             return original(self, *args, **kwargs)
         finally:
             tracker.depth = 0
-            if tracker.pending:
-                _end_operation(tree, recorder, tracker, balance, unified)
+            if tracker.pending and _OFF not in guard._disabled:
+                try:
+                    _end_operation(tree, recorder, tracker, balance, unified)
+                except Exception as exc:
+                    guard.fail(_OFF, exc)
 
     return outer_hook
 
@@ -599,32 +628,43 @@ def gpu_drift(tree: Any, tracker: Tracker) -> int | None:
 
 
 def _reset_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
-    recorder = getattr(self, "kv_events", None)
-    if recorder is not None:
-        tracker_of(recorder).pending.clear()  # old nodes: the reset's clear covers them
+    if _OFF not in guard._disabled:
+        try:
+            recorder = getattr(self, "kv_events", None)
+            if recorder is not None:
+                tracker_of(recorder).pending.clear()  # old nodes: the reset's clear covers them
+        except Exception as exc:
+            guard.fail(_OFF, exc)
     return original(self, *args, **kwargs)
 
 
 def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs: Any) -> Any:
-    if not recorder.enabled:
+    if _OFF in guard._disabled or not recorder.enabled:
         return original(recorder, *args, **kwargs)
     try:
-        tracker = recorder._kvpub_tracker
-    except AttributeError:
-        tracker = tracker_of(recorder)
-    if tracker.pending and tracker.tree is not None and not tracker.depth:
-        settle(tracker.tree)  # takes the tracker's lock
-    # Tree operations, their hooks and ``take`` run on the scheduler thread: no lock here.
-    tracker.absorb(recorder._queue)
+        try:
+            tracker = recorder._kvpub_tracker
+        except AttributeError:
+            tracker = tracker_of(recorder)
+        if tracker.pending and tracker.tree is not None and not tracker.depth:
+            settle(tracker.tree)  # takes the tracker's lock
+        # Tree operations, their hooks and ``take`` run on the scheduler thread: no lock here.
+        tracker.absorb(recorder._queue)
+    except Exception as exc:
+        guard.fail(_OFF, exc)
+        return original(recorder, *args, **kwargs)
     events = original(recorder, *args, **kwargs)
-    # Follow the fresh queue now: holding the drained list would delay freeing the
-    # taken batch into whatever absorbs next (an idle reconciliation slice).
-    queue = recorder._queue
-    if queue:
-        tracker.skip_to_end(queue)
-    else:
-        tracker.queue_ref = queue
-        tracker.seen = tracker.pos_hash = 0
+    try:
+        # Follow the fresh queue now: holding the drained list would delay freeing the
+        # taken batch into whatever absorbs next (an idle reconciliation slice).
+        queue = recorder._queue
+        if queue:
+            tracker.skip_to_end(queue)
+        else:
+            tracker.queue_ref = queue
+            tracker.seen = tracker.pos_hash = 0
+    except Exception as exc:
+        guard.fail(_OFF, exc)
     return events
 
 

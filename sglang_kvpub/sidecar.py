@@ -203,7 +203,14 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--rank-base", required=True, help="rank 0's stream, e.g. tcp://HOST:5557 (rank r: port+r)")
     parser.add_argument("--dp-size", type=int, required=True, help="number of publishing ranks")
     parser.add_argument("--rank-replay-base", help="rank 0's replay ROUTER, e.g. tcp://HOST:6667 (rank r: port+r)")
-    parser.add_argument("--endpoint", required=True, help="instance PUB, e.g. tcp://*:5600")
+    parser.add_argument(
+        "--endpoint", required=True, help="instance PUB, e.g. tcp://*:5600 or tcp://127.0.0.1:5600 (bound)"
+    )
+    parser.add_argument(
+        "--connect",
+        action="store_true",
+        help="connect the instance PUB to --endpoint instead of binding it (a subscriber that binds)",
+    )
     parser.add_argument("--replay-endpoint", help="instance replay ROUTER, e.g. tcp://*:5700")
     parser.add_argument("--topic", default="", help="topic of the rank streams and of the instance stream")
     parser.add_argument("--hash-form", default="u64", choices=("u64", "i64"))
@@ -224,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = PluginConfig(
             endpoint=args.endpoint,
+            # The sidecar is the stable end: it binds whatever host it is given (SGLang's
+            # wildcard rule would connect a concrete host, and nobody would receive anything).
+            bind=not args.connect,
             replay_endpoint=args.replay_endpoint,
             topic=args.topic,
             hash_form=args.hash_form,
@@ -252,7 +262,11 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot open the instance sockets: %s", exc)
         sidecar.stop()
         return 1
-    print(f"kvpub sidecar: serving {config.endpoint} for {args.dp_size} ranks from {args.rank_base}", flush=True)
+    how = "CONNECTED to (a subscriber must bind there)" if args.connect else "bound on"
+    print(
+        f"kvpub sidecar: instance PUB {how} {config.endpoint} for {args.dp_size} ranks from {args.rank_base}",
+        flush=True,
+    )
     interval = args.status_interval if args.status_interval > 0 else None
     next_status = time.monotonic() + (interval or 0)
     while not stop.wait(0.2):

@@ -68,3 +68,13 @@ def ipc_dir(tmp_path: Path) -> Iterator[Path]:
     path = tmp_path / "ipc"
     path.mkdir()
     yield path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plugin_guard() -> Iterator[None]:
+    """A feature a test switched off (sglang_kvpub/guard.py, process-wide) stays off only there."""
+    from sglang_kvpub import guard
+
+    guard.reset()
+    yield
+    guard.reset()

@@ -95,3 +95,28 @@ def run_rank(
 
 def spawn_context() -> Any:
     return mp.get_context("spawn")
+
+
+def run_prompt_rank(config: PluginConfig, rank: int, channel: str, token_ids: list[int], block_size: int) -> None:
+    """One rank publisher process announcing ``token_ids`` as stored blocks, then heartbeats
+    until killed (the fan-in sees a live rank)."""
+    from sglang_kvpub.rank_publisher import RankPublisher
+
+    publisher = RankPublisher(config, rank, block_size, channel)
+    blocks = len(token_ids) // block_size
+    hashes = [(rank << 40) | (index + 1) for index in range(blocks)]
+    publisher.publish(
+        EventBatch(
+            ts=time.time(),
+            events=[
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=list(token_ids[: blocks * block_size]),
+                    block_size=block_size,
+                )
+            ],
+        )
+    )
+    while True:
+        time.sleep(0.2)  # stay alive: the parent kills this process

@@ -268,45 +268,35 @@ def test_cold_prompt_hashes_only_its_first_block(monkeypatch: pytest.MonkeyPatch
 # --------------------------------------------------------------------------- fan-in feed
 
 
-class _FakeFanIn:
-    """The FanIn surface feed_from_fanin uses (its real ingest is tested in test_fanin.py)."""
+@pytest.mark.integration
+def test_feed_through_the_fanin_ingest_path_decodes_and_clears_on_restart() -> None:
+    """The sidecar's path (``FanIn.ingest``) goes through the same per-message step as the
+    live channel (tests/test_dispatch_feed.py): payloads indexed, heartbeats and garbage
+    skipped, a new rank epoch clears the rank."""
+    from conftest import free_tcp_endpoint
 
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, int, int]] = []
+    from sglang_kvpub.config import PluginConfig
+    from sglang_kvpub.fanin import FanIn
 
-    def ingest(self, dp_rank: int, rank_epoch: int, rank_seq: int, batch_or_payload: Any) -> None:
-        self.seen.append((dp_rank, rank_epoch, rank_seq))
-
-
-@pytest.mark.unit
-def test_feed_from_fanin_wraps_ingest_decodes_and_clears_on_restart() -> None:
-    fanin = _FakeFanIn()
-    d = CacheAwareDispatcher(4, BLOCK)
-    assert feed_from_fanin(fanin, d) == "ingest_wrapper"
-    prompt = _tokens(3 * BLOCK)
-    payload = msgspec.msgpack.encode(EventBatch(1.0, [BlockStored([1, 2, 3], None, prompt, BLOCK, medium="GPU")], 2))
-    fanin.ingest(2, 111, 0, payload)
-    fanin.ingest(2, 111, 1, b"")  # rank heartbeat
-    fanin.ingest(2, 111, 2, b"\xc1garbage")  # malformed: logged, not raised
-    assert fanin.seen == [(2, 111, 0), (2, 111, 1), (2, 111, 2)]
-    assert d.choose(prompt, [0.0] * 4).rank == 2
-    fanin.ingest(2, 222, 0, b"")  # new rank epoch: the rank's cache is gone
-    assert d.choose(prompt, [0.0] * 4).reason == REASON_NO_HIT
-
-
-@pytest.mark.unit
-def test_feed_prefers_an_observer_api() -> None:
-    observers: list[Any] = []
-
-    class WithObserver(_FakeFanIn):
-        def add_observer(self, fn: Any) -> None:
-            observers.append(fn)
-
-    d = CacheAwareDispatcher(4, BLOCK)
-    assert feed_from_fanin(WithObserver(), d) == "observer"
-    prompt = _tokens(2 * BLOCK)
-    observers[0](3, EventBatch(1.0, [BlockStored([1, 2], None, prompt, BLOCK, medium="GPU")], 3))
-    assert d.choose(prompt, [0.0] * 4).rank == 3
+    fanin = FanIn(PluginConfig(endpoint=free_tcp_endpoint(), bind=True), 4, listen_channel=False)
+    fanin.start()
+    try:
+        d = CacheAwareDispatcher(4, BLOCK)
+        assert feed_from_fanin(fanin, d) == "observer"
+        prompt = _tokens(3 * BLOCK)
+        stored = BlockStored([1, 2, 3], None, prompt, BLOCK, medium="GPU")
+        payload = msgspec.msgpack.encode(EventBatch(1.0, [stored], 2))
+        fanin.ingest(2, 111, 0, payload)
+        fanin.ingest(2, 111, 1, b"")  # rank heartbeat
+        fanin.ingest(2, 111, 2, b"\xc1garbage")  # malformed: counted by the fan-in, not raised
+        assert d.choose(prompt, [0.0] * 4).rank == 2
+        fanin.ingest(3, 5, 0, EventBatch(1.0, [BlockStored([9], None, _tokens(BLOCK, salt=5), BLOCK, medium="GPU")], 3))
+        assert d.index.stats().blocks == 4
+        fanin.ingest(2, 222, 0, b"")  # new rank epoch: the rank's cache is gone
+        assert d.choose(prompt, [0.0] * 4).reason == REASON_NO_HIT
+        assert fanin.stats()["malformed"] == 1
+    finally:
+        fanin.stop()
 
 
 # --------------------------------------------------------------------------- real SGLang

@@ -201,3 +201,40 @@ def test_sidecar_rejects_bad_arguments() -> None:
         capture_output=True, text=True, timeout=20, env=env,
     )  # fmt: skip
     assert result.returncode == 2 and "'endpoint'" in result.stderr
+
+
+def _sidecar_heartbeat(sub: zmq.Socket[bytes], args: list[str]) -> str:
+    """Starts the sidecar with ``args``; returns its start line once ``sub`` got a heartbeat."""
+    cmd = [sys.executable, "-m", "sglang_kvpub.cli", "fanin", "--rank-base", free_tcp_endpoint(), "--dp-size", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--heartbeat-s", "0.1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert sub.poll(20_000), "no heartbeat reached the subscriber"
+        frames = sub.recv_multipart()
+        assert wire.BatchDecoder().decode(wire.parse_live_frames(frames)[2]).events == []
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=20)
+    return out.splitlines()[0]
+
+
+@pytest.mark.timeout(60)
+def test_sidecar_binds_a_concrete_host_and_connects_only_when_asked(ctx: Any) -> None:
+    endpoint = free_tcp_endpoint()  # tcp://127.0.0.1:PORT: SGLang's rule would connect it
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    line = _sidecar_heartbeat(sub, ["--endpoint", endpoint])
+    assert f"bound on {endpoint}" in line
+    sub.close()
+
+    endpoint = free_tcp_endpoint()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(endpoint)  # --connect: the subscriber is the stable end
+    line = _sidecar_heartbeat(sub, ["--endpoint", endpoint, "--connect"])
+    assert f"CONNECTED to (a subscriber must bind there) {endpoint}" in line
+    sub.close()

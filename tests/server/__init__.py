@@ -1,0 +1,1 @@
+"""The real-server test tier (marker ``server``)."""
