@@ -228,7 +228,7 @@ def test_fanin_start_failure_leaves_the_controller_serving(
 def test_release_hook_failure_keeps_sglang_operation(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import rh_trees
+    from bench import rh_trees
 
     ns = rh_trees.setup()
     tree = rh_trees.legacy_tree(ns, 4)
@@ -254,7 +254,7 @@ def test_rust_core_idle_does_not_crash_and_watches_drift(caplog: pytest.LogCaptu
     """The issue's crash: the first idle step on the Rust core (root_node raises
     NotImplementedError).  Now: one start line names the core's limits; drift is followed
     from the core's own events and counters; a lost event shows as drift, logged."""
-    import rh_trees
+    from bench import rh_trees
 
     ns = rh_trees.setup()
     params = ns.params.CacheInitParams(
