@@ -87,6 +87,9 @@ class StreamHealth:
     reconnects: int
     apply_errors: int = 0
     dropped_live: int = 0  # live batches dropped because the buffer was full during a replay
+    # Ranks of an instance stream, from its snapshot (the fan-in sends every rank 0..dp_size-1,
+    # empty ones included); None: not known (plain engine stream, or no snapshot yet).
+    dp_size: int | None = None
 
 
 _COUNTERS = (
@@ -565,6 +568,21 @@ class StreamSubscriber:
             index += 1
         self._apply_tail(replies[index:])
         log.info("stream %s: snapshot at seq %d applied (%d batches)", self.endpoint, snap_seq, index)
+        self._discover(snap_seq, replies[:index])
+
+    def _discover(self, snap_seq: int, snapshot: list[_Item]) -> None:
+        """Learns the instance's dp_size from a fan-in snapshot and says what was found."""
+        if wire.seq_epoch(snap_seq) == 0:
+            return  # not our fan-in: a plain engine stream has no epoch and no snapshot
+        ranks = sorted({item.batch.dp_rank for item in snapshot if item.batch and item.batch.dp_rank is not None})
+        if not ranks or ranks != list(range(len(ranks))) or len(ranks) == self._c.dp_size:
+            return
+        self._c.dp_size = len(ranks)
+        log.info(
+            "stream %s: instance stream with dp_size %d (ranks 0..%d, epoch %d) found from its snapshot; "
+            "every rank's blocks are indexed and fold into the registered dp",
+            self.endpoint, len(ranks), len(ranks) - 1, wire.seq_epoch(snap_seq),
+        )  # fmt: skip
 
     def _apply_history(self, replies: list[_Item]) -> None:
         """Applies replayed batches in order from the first one that follows ``last``."""
