@@ -349,3 +349,36 @@ def test_motors_real_coordinator_scores_the_instance_through_the_adapter(
         coordinator.stop()
         engine.stop()
         adapter.stop()
+
+
+def test_the_documented_motor_config_loads_in_motors_own_loader(tmp_path: Path) -> None:
+    """docs/examples/motor_user_config.json through Motor's CoordinatorConfig.from_json (a fresh process)."""
+    probe = (
+        "import json\n"
+        "from motor.config.coordinator import CoordinatorConfig\n"
+        "c = CoordinatorConfig.from_json()\n"
+        "k = c.prefill_kv_event_config\n"
+        "print('@@ ' + json.dumps({'conductor': k.conductor_service, 'port': k.http_server_port,\n"
+        "    'block_size': k.block_size, 'endpoint': k.endpoint, 'replay': k.replay_endpoint,\n"
+        "    'model_path': k.model_path, 'type': k.engine_type,\n"
+        "    'scheduler': c.scheduler_config.scheduler_type.value}))\n"
+    )
+    env = {
+        **os.environ,
+        "USER_CONFIG_PATH": str(ROOT / "docs" / "examples" / "motor_user_config.json"),
+        "KV_CONDUCTOR_SERVICE": "127.0.0.1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True
+    ).stdout
+    (line,) = [line for line in out.splitlines() if line.startswith("@@ ")]
+    assert json.loads(line[3:]) == {
+        "conductor": "127.0.0.1",
+        "port": 13333,
+        "block_size": 128,
+        "endpoint": "tcp://*:5557",
+        "replay": "tcp://*:6667",
+        "model_path": "/models/DeepSeek-V4-Flash",
+        "type": "vLLM",
+        "scheduler": "kv_cache_affinity",
+    }
