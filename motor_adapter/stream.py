@@ -195,6 +195,7 @@ class StreamSubscriber:
         self._live_high: int | None = None  # highest live seq accepted on this connection
         self._need_sync = False
         self._snapshot_ok: bool | None = None  # None: not known yet
+        self._kind_logged = False  # what the registration turned out to be, said once
         self._gap_key: tuple[int, int] | None = None
         self._restarted_by: _Item | None = None
         self._epoch: int | None = None  # epoch of the last applied seq; None after a counted restart
@@ -436,6 +437,14 @@ class StreamSubscriber:
             return
         self._c.events += len(batch.events)
         self._last_event_at = time.monotonic()
+        if not self._kind_logged and self.dp_rank_override is None and wire.seq_epoch(seq) == 0:
+            self._kind_logged = True
+            log.warning(
+                "stream %s: a plain engine stream (no fan-in epoch), not an instance stream: only the ranks it "
+                "publishes are visible (SGLang without the plugin publishes rank r on port + r); run the engine "
+                "with --plugin sglang_kvpub, or register type sglang with dp_size (compatibility mode)",
+                self.endpoint,
+            )
         try:
             result = self._index.apply_batch(self.instance_id, batch, dp_rank=self.dp_rank_override)
         except Exception:
@@ -578,6 +587,7 @@ class StreamSubscriber:
         if not ranks or ranks != list(range(len(ranks))) or len(ranks) == self._c.dp_size:
             return
         self._c.dp_size = len(ranks)
+        self._kind_logged = True
         log.info(
             "stream %s: instance stream with dp_size %d (ranks 0..%d, epoch %d) found from its snapshot; "
             "every rank's blocks are indexed and fold into the registered dp",

@@ -224,6 +224,8 @@ def test_motors_client_and_policy_pick_the_instance_and_endpoint_that_hold_the_p
 
         # The adapter found each instance stream and its dp_size by itself.
         _wait(lambda: adapter.log().count("instance stream with dp_size 2") == 2, "stream discovery logged")
+        health = [w["health"]["0"][0] for w in _http(adapter.url + "/workers")[1]["workers"]]
+        assert [h["dp_size"] for h in health] == [2, 2] and "plain engine stream" not in adapter.log()
 
         hot_1 = "instance one holds this long shared system prompt, " * 12
         instances[1].dispatch(tok.encode(hot_1), routed_dp_rank=1)  # rank 1 of instance 1 prefilled it
