@@ -38,6 +38,7 @@ __all__ = [
     "Finding",
     "check_config",
     "load_config_file",
+    "sglang_page_size",
 ]
 
 MEDIUM_ALIASES: dict[str, str] = {
@@ -367,8 +368,31 @@ def _enable_multi_endpoints(config: Mapping[str, Any]) -> bool:
     return bool(config.get("enable_multi_endpoints", not sglang))
 
 
-def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> list[Finding]:
-    """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter."""
+def sglang_page_size(launch_args: str) -> Union[int, None]:
+    """``--page-size`` of an SGLang launch command line (``None``: not given, SGLang's default 1)."""
+    import shlex
+
+    words = shlex.split(launch_args)
+    for i, word in enumerate(words):
+        value = word.split("=", 1)[1] if word.startswith("--page-size=") else None
+        if word == "--page-size" and i + 1 < len(words):
+            value = words[i + 1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def check_config(
+    config: Any, env: Union[Mapping[str, str], None] = None, sglang_args: Union[str, None] = None
+) -> list[Finding]:
+    """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter.
+
+    ``sglang_args``: the SGLang launch command line when SGLang is started outside Motor; its
+    ``--page-size`` is checked against the ``block-size`` Motor sends.
+    """
     if not isinstance(config, Mapping):
         return [
             Finding("<root>", f"expected a JSON object, got {type(config).__name__}", "pass a Motor user_config.json")
@@ -381,7 +405,24 @@ def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> lis
     args = _engine_args(engine)
     findings += _check_conductor(conductor_key, conductor, env)
     findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor)
+    if sglang_args is not None:
+        findings += _check_launch_page(engine_key, args, sglang_args)
     return findings
+
+
+def _check_launch_page(engine_key: str, args: Mapping[str, Any], sglang_args: str) -> list[Finding]:
+    page = sglang_page_size(sglang_args) or 1  # SGLang's default page size is 1
+    sent = args.get("block-size", 128)
+    if page == sent:
+        return []
+    return [
+        Finding(
+            f"{engine_key}.engine_config.block-size",
+            f"Motor sends block_size {sent} but the SGLang launch arguments give --page-size {page}: every "
+            "event has the wrong block size for Motor's queries, every query misses",
+            f'set "block-size": {page} in Motor\'s engine_config (or launch SGLang with --page-size {sent})',
+        )
+    ]
 
 
 def _check_scheduler(config: Mapping[str, Any]) -> list[Finding]:

@@ -224,3 +224,17 @@ def test_service_config_reads_motor_config_and_env(good: dict[str, Any], tmp_pat
     example = EXAMPLE.parent / "adapter_config.json"
     loaded = ServiceConfig.from_file(str(example), env={})
     assert loaded.tokenizer_path == "/models/DeepSeek-V4-Flash" and loaded.max_body_bytes == 8 << 20
+
+
+def test_block_size_against_the_sglang_launch_arguments(good: dict[str, Any], tmp_path: Path) -> None:
+    launch = "python -m sglang.launch_server --model-path /m --dp-size 16 --page-size 64 --plugin sglang_kvpub"
+    (problem,) = [f for f in check_config(good, ENV, sglang_args=launch) if f.severity == "problem"]
+    assert "engine_config.block-size" in problem.key and "--page-size 64" in problem.message
+    assert '"block-size": 64' in problem.fix
+    assert not [f for f in check_config(good, ENV, sglang_args=launch.replace("64", "128")) if f.severity == "problem"]
+    # no --page-size: SGLang's default page size 1 never matches Motor's 128
+    assert any("--page-size 1" in f.message for f in check_config(good, ENV, sglang_args="--dp-size 2"))
+    path = tmp_path / "user_config.json"
+    path.write_text(json.dumps(good))
+    assert main(["check-config", str(path), "--sglang-args=--page-size=128"]) == 0
+    assert main(["check-config", str(path), "--sglang-args=python -m sglang.launch_server --page-size 32"]) == 1
