@@ -9,12 +9,16 @@ classes), polls until Motor serves it, and tears the whole group down.
 
 It lives in the package, not under tests/, so ``bench/`` can drive the same coordinator
 without importing tests; ``mindie-motor`` is imported only by :meth:`Coordinator.add_instance`.
-Loopback only: every address it writes is 127.0.0.x.
+Loopback only: every address it writes is 127.0.0.x. Motor's coordinator uses fixed IPC names
+(``scheduler_frontend`` and ``scheduler_instance_pub`` under the temp dir, a shm segment): one
+per machine at a time, so :meth:`Coordinator.start` holds an exclusive lock file until
+:meth:`Coordinator.stop` (another test run on the same machine waits instead of colliding).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -182,6 +186,7 @@ class Coordinator:
         self._env = dict(env or {})
         self._proc: Union[subprocess.Popen[bytes], None] = None
         self._dir: Union[tempfile.TemporaryDirectory[str], None] = None
+        self._lock: Union[Any, None] = None
         self.ready_s: Union[float, None] = None
 
     def __enter__(self) -> Coordinator:
@@ -191,8 +196,19 @@ class Coordinator:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 90.0) -> None:
+    def start(self, timeout_s: float = 90.0, lock_timeout_s: float = 600.0) -> None:
         """Starts the daemon and waits until its Mgmt port answers (readiness by polling)."""
+        self._take_machine_lock(lock_timeout_s)
+        started = time.monotonic()
+        try:
+            self._spawn()
+            self._poll(lambda: self._get(self.mgmt_url + "/startup")[0] == 200, timeout_s, "Mgmt /startup")
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = time.monotonic() - started
+
+    def _spawn(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="motor-coordinator-")
         config_path = Path(self._dir.name) / "user_config.json"
         config_path.write_text(json.dumps(self.config, indent=2), encoding="utf-8")
@@ -205,9 +221,7 @@ class Coordinator:
             "TRANSFORMERS_OFFLINE": "1",
             **self._env,
         }
-        started = time.monotonic()
-        log = open(self.log_path, "wb")  # noqa: SIM115 - the child owns it until stop()
-        try:
+        with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self._proc = subprocess.Popen(
                 [self._python, "-m", "motor.coordinator.main"],
                 stdout=log,
@@ -217,14 +231,6 @@ class Coordinator:
                 cwd=self._dir.name,
                 start_new_session=True,  # its own process group: stop() ends every worker it spawned
             )
-        finally:
-            log.close()
-        try:
-            self._poll(lambda: self._get(self.mgmt_url + "/startup")[0] == 200, timeout_s, "Mgmt /startup")
-        except BaseException:
-            self.stop()
-            raise
-        self.ready_s = time.monotonic() - started
 
     def add_instance(self, event: Any, timeout_s: float = 60.0) -> None:
         """POSTs ``event`` (an ``InsEventMsg``) to ``/instances/refresh`` and polls ``/readiness``
@@ -262,8 +268,27 @@ class Coordinator:
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()
 
     # ------------------------------------------------------------------ helpers
+
+    def _take_machine_lock(self, timeout_s: float) -> None:
+        path = Path(tempfile.gettempdir()) / "motor-coordinator.lock"
+        lock = open(path, "a+b")  # noqa: SIM115 - held until stop()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    lock.close()
+                    raise CoordinatorError(f"another Motor coordinator holds {path} (one per machine)") from None
+                time.sleep(0.5)  # polling the lock with a deadline
+        self._lock = lock
 
     def _instance_ready(self) -> bool:
         """Motor's readiness says ready (a union instance in single_node); a prefill-only set
