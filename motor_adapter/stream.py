@@ -437,7 +437,7 @@ class StreamSubscriber:
             return
         self._c.events += len(batch.events)
         self._last_event_at = time.monotonic()
-        if not self._kind_logged and self.dp_rank_override is None and wire.seq_epoch(seq) == 0:
+        if not self._kind_logged and self.dp_rank_override is None and epoch == 0:
             self._kind_logged = True
             log.warning(
                 "stream %s: a plain engine stream (no fan-in epoch), not an instance stream: only the ranks it "
