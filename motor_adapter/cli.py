@@ -59,7 +59,7 @@ def _check_config(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"{args.file}: cannot read a JSON config: {exc}")
         return 1
-    findings = check_config(config)
+    findings = check_config(config, sglang_args=args.sglang_args)
     problems = [f for f in findings if f.severity == "problem"]
     for finding in findings:
         print(finding)
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check-config", help="validate a Motor user_config.json for KV affinity with SGLang")
     check.add_argument("file")
+    check.add_argument(
+        "--sglang-args",
+        default=None,
+        help='SGLang launch command line, when SGLang runs outside Motor (write --sglang-args="...")',
+    )
     check.set_defaults(run=_check_config)
 
     explain = sub.add_parser("explain", help="ask a running adapter why a prompt hits or misses")

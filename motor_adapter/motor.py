@@ -11,8 +11,9 @@ read them the way the conductor does, and fix what the originating report found 
 - ``type: sglang`` with ``dp_size`` > 1 and no ``fanned_in`` is an engine without our
   plugin: compatibility mode, one subscription per rank port ``base + rank``.
 
-:func:`check_config` validates a Motor 3.1 user config and names the key and the fix of
-every problem it finds (``motor-kv-adapter check-config``).
+:func:`check_config` validates a Motor user config as the released Motor reads it
+(``mindie-motor`` 3.0.0b2 and the Ascend source; docs/motor.md) and names the key and the fix
+of every problem it finds (``motor-kv-adapter check-config``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "Finding",
     "check_config",
     "load_config_file",
+    "sglang_page_size",
 ]
 
 MEDIUM_ALIASES: dict[str, str] = {
@@ -344,11 +346,11 @@ def _scheduler(config: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _conductor(config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    if isinstance(config.get("kv_conductor_config"), Mapping):
+        return "kv_conductor_config", config["kv_conductor_config"]
     scheduler = _scheduler(config)
     if isinstance(scheduler.get("kv_conductor_config"), Mapping):
         return "motor_coordinator_config.scheduler_config.kv_conductor_config", scheduler["kv_conductor_config"]
-    if isinstance(config.get("kv_conductor_config"), Mapping):
-        return "kv_conductor_config", config["kv_conductor_config"]
     return "kv_conductor_config", {}
 
 
@@ -357,11 +359,40 @@ def _enable_multi_endpoints(config: Mapping[str, Any]) -> bool:
         value = config.get(section)
         if isinstance(value, Mapping) and "enable_multi_endpoints" in value:
             return bool(value["enable_multi_endpoints"])
-    return bool(config.get("enable_multi_endpoints", True))
+    engine = config.get("motor_engine_prefill_config")
+    args = _engine_args(engine) if isinstance(engine, Mapping) else {}
+    if "enable-multi-endpoints" in args:
+        return bool(args["enable-multi-endpoints"])
+    # Motor runs SGLang as one endpoint for the whole server unless told otherwise.
+    sglang = isinstance(engine, Mapping) and str(engine.get("engine_type", "")).lower() == "sglang"
+    return bool(config.get("enable_multi_endpoints", not sglang))
 
 
-def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> list[Finding]:
-    """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter."""
+def sglang_page_size(launch_args: str) -> Union[int, None]:
+    """``--page-size`` of an SGLang launch command line (``None``: not given, SGLang's default 1)."""
+    import shlex
+
+    words = shlex.split(launch_args)
+    for i, word in enumerate(words):
+        value = word.split("=", 1)[1] if word.startswith("--page-size=") else None
+        if word == "--page-size" and i + 1 < len(words):
+            value = words[i + 1]
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def check_config(
+    config: Any, env: Union[Mapping[str, str], None] = None, sglang_args: Union[str, None] = None
+) -> list[Finding]:
+    """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter.
+
+    ``sglang_args``: the SGLang launch command line when SGLang is started outside Motor; its
+    ``--page-size`` is checked against the ``block-size`` Motor sends.
+    """
     if not isinstance(config, Mapping):
         return [
             Finding("<root>", f"expected a JSON object, got {type(config).__name__}", "pass a Motor user_config.json")
@@ -374,8 +405,25 @@ def check_config(config: Any, env: Union[Mapping[str, str], None] = None) -> lis
     args = _engine_args(engine)
     findings += _check_conductor(conductor_key, conductor, env)
     findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor)
+    if sglang_args is not None:
+        findings += _check_launch_page(engine_key, args, sglang_args)
     findings.append(_start_order(conductor_key))
     return findings
+
+
+def _check_launch_page(engine_key: str, args: Mapping[str, Any], sglang_args: str) -> list[Finding]:
+    page = sglang_page_size(sglang_args) or 1  # SGLang's default page size is 1
+    sent = args.get("block-size", 128)
+    if page == sent:
+        return []
+    return [
+        Finding(
+            f"{engine_key}.engine_config.block-size",
+            f"Motor sends block_size {sent} but the SGLang launch arguments give --page-size {page}: every "
+            "event has the wrong block size for Motor's queries, every query misses",
+            f'set "block-size": {page} in Motor\'s engine_config (or launch SGLang with --page-size {sent})',
+        )
+    ]
 
 
 def _check_scheduler(config: Mapping[str, Any]) -> list[Finding]:
@@ -395,21 +443,48 @@ def _check_scheduler(config: Mapping[str, Any]) -> list[Finding]:
 
 
 def _check_conductor(key: str, conductor: Mapping[str, Any], env: Mapping[str, str]) -> list[Finding]:
+    """Motor reads the conductor's HOST from ``KV_CONDUCTOR_SERVICE`` only and its PORT from
+    top-level ``kv_conductor_config.http_server_port`` only (3.0.0b2 and the Ascend source)."""
     findings: list[Finding] = []
-    if not conductor.get("conductor_service") and not env.get("KV_CONDUCTOR_SERVICE"):
+    if not env.get("KV_CONDUCTOR_SERVICE"):
         findings.append(
             Finding(
-                f"{key}.conductor_service",
-                "is empty and KV_CONDUCTOR_SERVICE is unset: Motor never queries a conductor",
-                "set it to the host running motor-kv-adapter serve (e.g. 127.0.0.1) and http_server_port to its port",
+                "KV_CONDUCTOR_SERVICE",
+                "is unset in this environment: Motor reads the conductor host from it alone "
+                "(a conductor_service key in the file is not read), so it never registers or queries",
+                "export KV_CONDUCTOR_SERVICE=<host of motor-kv-adapter serve> in the coordinator's environment",
+                severity="note",
             )
         )
-    port = conductor.get("http_server_port", 13333)
+    if key != "kv_conductor_config":
+        findings.append(
+            Finding(
+                key,
+                "is not where Motor looks: it reads top-level kv_conductor_config.http_server_port; without it "
+                "Motor registers nothing and disables its tokenizer, silently",
+                'move it to the top level: "kv_conductor_config": {"http_server_port": 13333}',
+            )
+        )
+    port = conductor.get("http_server_port")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-        findings.append(Finding(f"{key}.http_server_port", f"is {port!r}", "set the adapter's port, e.g. 13333"))
-    encoding = conductor.get("query_encoding", "msgpack")
-    if encoding not in ("msgpack", "json"):
-        findings.append(Finding(f"{key}.query_encoding", f"is {encoding!r}", 'use "msgpack" (default) or "json"'))
+        findings.append(
+            Finding(
+                "kv_conductor_config.http_server_port",
+                f"is {port!r}" + (" (missing)" if port is None else ""),
+                'set the adapter\'s port at the top level: "kv_conductor_config": {"http_server_port": 13333}',
+            )
+        )
+    ignored = sorted(set(conductor) & {"conductor_service", "block_size", "engine_type", "query_encoding"})
+    if ignored:
+        findings.append(
+            Finding(
+                f"kv_conductor_config.{'/'.join(ignored)}",
+                "not read by the released Motor (host: KV_CONDUCTOR_SERVICE; block_size: engine_config block-size; "
+                "type is always vLLM; /query is JSON)",
+                "remove them; see docs/motor.md",
+                severity="note",
+            )
+        )
     return findings
 
 
@@ -423,14 +498,16 @@ def _check_engine(
 ) -> list[Finding]:
     findings: list[Finding] = []
     engine_type = str(engine.get("engine_type", "")).lower()
-    conductor_type = str(conductor.get("engine_type", "vLLM"))
-    if engine_type == "sglang" and conductor_type.lower() != "sglang":
+    model_config = engine.get("model_config")
+    model_path = model_config.get("model_path") if isinstance(model_config, Mapping) else None
+    if not model_path and not args.get("model"):
         findings.append(
             Finding(
-                f"{conductor_key}.engine_type",
-                f"is {conductor_type!r} (Motor's default when unset) but {engine_key}.engine_type is sglang: "
-                "registrations say the wrong engine and DSV4 tokenization looks for vLLM",
-                'set "engine_type": "sglang"',
+                f"{engine_key}.model_config.model_path",
+                "is missing (and engine_config has no model): Motor loads no tokenizer, so every query is empty "
+                "(3.0.0b2 also skips the whole conductor setup without model_config.model_path)",
+                'set "model_config": {"model_name": ..., "model_path": "/models/X"} and engine_config "model": '
+                '"/models/X" (Motor never resolves model-path for SGLang)',
             )
         )
     plugin = _has_plugin(args)
@@ -467,31 +544,23 @@ def _check_engine(
 def _check_block_size(
     engine_key: str, args: Mapping[str, Any], conductor_key: str, conductor: Mapping[str, Any]
 ) -> list[Finding]:
-    page = args.get("page-size", args.get("block-size"))
-    block = conductor.get("block_size")
-    if block is None:
-        derived = args.get("block-size", 128)  # Motor derives from block-size only, never page-size
-        if page is not None and page != derived:
-            return [
-                Finding(
-                    f"{conductor_key}.block_size",
-                    f"is unset, so Motor uses {derived} (it reads engine block-size, not SGLang's page-size) but "
-                    f"{engine_key}.engine_config.page-size is {page}: every event is dropped as the wrong size",
-                    f'set "block_size": {page}',
-                )
-            ]
+    """Motor sends ``block_size`` = engine_config ``block-size`` (default 128); SGLang hashes
+    ``page-size`` tokens per block. A mismatch drops every event (wrong size) or misses every query."""
+    page = args.get("page-size")
+    sent = args.get("block-size", 128)
+    if isinstance(sent, bool) or not isinstance(sent, int) or sent <= 0:
+        return [Finding(f"{engine_key}.engine_config.block-size", f"is {sent!r}", "set SGLang's page-size, e.g. 128")]
+    if page is None or page == sent:
         return []
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        return [Finding(f"{conductor_key}.block_size", f"is {block!r}", "set the engine page size, e.g. 128")]
-    if page is not None and page != block:
-        return [
-            Finding(
-                f"{conductor_key}.block_size",
-                f"is {block} but {engine_key}.engine_config.page-size is {page}: the hashes never match",
-                f'set "block_size": {page} (with DCP: page size x DCP size)',
-            )
-        ]
-    return []
+    how = "unset, so Motor sends 128" if "block-size" not in args else f"{sent}"
+    return [
+        Finding(
+            f"{engine_key}.engine_config.block-size",
+            f"is {how} but page-size (SGLang's --page-size) is {page}: Motor reads block-size only, never "
+            "page-size, and queries with a block size the stream never has - every query misses",
+            f'set "block-size": {page} next to "page-size": {page} (with DCP: page size x DCP size)',
+        )
+    ]
 
 
 def _check_events(key: str, events: Mapping[str, Any]) -> list[Finding]:

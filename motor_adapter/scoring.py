@@ -44,6 +44,8 @@ __all__ = [
     "fold_engine_dps",
     "matched_tokens",
     "prefill_cost",
+    "QUERY_SHAPES",
+    "instance_entry",
     "select",
     "weighted_blocks",
 ]
@@ -497,6 +499,7 @@ def conductor_response(
     tenant: str = "default",
     fold: bool = True,
     cfg: KvAffinityConfig | None = None,
+    shape: str = "tokens",
 ) -> dict[str, dict[str, dict[str, Any]]]:
     """kv-conductor's ``/query`` body: ``{tenant: {instance: {"longest_matched", "DP": {...}}}}``.
 
@@ -509,8 +512,11 @@ def conductor_response(
     (conductor semantics: Motor applies its weights); the fold picks the rank with
     ``cfg``'s weights (Motor's defaults without one). Without ``registered_dps`` every
     instance with hits is listed, under dp 0 when folding, else under its engine ranks.
+    Each instance's entry is laid out by :func:`instance_entry` in ``shape``.
     """
     weights = cfg or KvAffinityConfig(block_size=block_size)
+    if shape not in QUERY_SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(QUERY_SHAPES)}, got {shape!r}")
     instances = list(registered_dps) if registered_dps is not None else list(hits_by_instance)
     out: dict[str, dict[str, Any]] = {}
     for instance in instances:
@@ -524,8 +530,7 @@ def conductor_response(
         else:
             for dp in dps:
                 entries[str(dp)] = dp_entry(hits.get(dp), dp, block_size)
-        longest = max((e["matched_tokens"] for e in entries.values()), default=0)
-        out[instance] = {"longest_matched": longest, "DP": entries}
+        out[instance] = instance_entry(entries, weights, block_size, shape)
     return {tenant: out}
 
 
@@ -547,3 +552,56 @@ def dp_entry(hit: TierCounts | None, engine_rank: int | None, block_size: int) -
         "disk_blocks": disk,
         "engine_dp_rank": engine_rank,
     }
+
+
+# ``/query`` answer layouts (docs/motor.md "What each Motor reads"):
+# - "tokens" (default): ``DP[<dp>]`` is an int of matched tokens - the one form every released
+#   Motor scores: 3.0.0b2 compares it with ``<``, the Ascend source takes ``min(DP, isl)``, the
+#   dict-per-rank forks read an int as tokens. The per-rank figures move to ``dp_detail``.
+# - "rank_dicts": ``DP[<dp>]`` is the per-rank dict, for the forks that weight tiers themselves
+#   (``npu_blocks * w_npu + ...``); 3.0.0b2 and the Ascend source raise TypeError on it.
+QUERY_SHAPES: tuple[str, ...] = ("tokens", "rank_dicts")
+
+
+def instance_entry(
+    entries: Mapping[str, dict[str, Any]], cfg: KvAffinityConfig, block_size: int, shape: str = "tokens"
+) -> dict[str, Any]:
+    """One instance of a ``/query`` answer from its :func:`dp_entry` dicts (keyed by dp).
+
+    Always: ``longest_matched`` (unweighted tokens, conductor semantics) and ``GPU`` / ``CPU`` /
+    ``DISK`` - the tier tokens of the dp with the longest weighted hit (3.0.0b2 ranks
+    instances by ``GPU``, an int). ``DP`` as ``shape`` says; with "tokens" each value is
+    Motor's matched tokens under ``cfg``'s weights, ``round(weighted_blocks * block_size)``.
+    """
+    bs = block_size
+    longest = 0
+    best: dict[str, Any] | None = None
+    best_w = 0.0
+    for entry in entries.values():
+        longest = max(longest, entry["matched_tokens"])
+        weighted = weighted_blocks(_Tiers(entry), cfg)
+        if best is None or weighted > best_w:
+            best, best_w = entry, weighted
+    out: dict[str, Any] = {
+        "longest_matched": longest,
+        "GPU": best["npu_blocks"] * bs if best else 0,
+        "CPU": best["cpu_blocks"] * bs if best else 0,
+        "DISK": best["disk_blocks"] * bs if best else 0,
+    }
+    if shape == "rank_dicts":
+        out["DP"] = dict(entries)
+        return out
+    out["DP"] = {dp: round(weighted_blocks(_Tiers(e), cfg) * bs) for dp, e in entries.items()}
+    out["dp_detail"] = dict(entries)
+    return out
+
+
+class _Tiers:
+    """A :func:`dp_entry` dict seen as :class:`TierCounts`."""
+
+    __slots__ = ("cpu_blocks", "disk_blocks", "npu_blocks")
+
+    def __init__(self, entry: Mapping[str, Any]) -> None:
+        self.npu_blocks: int = entry["npu_blocks"]
+        self.cpu_blocks: int = entry["cpu_blocks"]
+        self.disk_blocks: int = entry["disk_blocks"]

@@ -48,6 +48,7 @@ from motor_adapter.motor import (
 from motor_adapter.registrations import DurableRegistrations
 from motor_adapter.registry_store import open_store
 from motor_adapter.scoring import (
+    QUERY_SHAPES,
     Candidate,
     ConfigError,
     KvAffinityConfig,
@@ -55,6 +56,7 @@ from motor_adapter.scoring import (
     best_rank,
     dp_entry,
     fold_engine_dps,
+    instance_entry,
     select,
 )
 from sglang_kvpub.hashing import chain_hashes, sequence_keys
@@ -134,8 +136,14 @@ class ServiceConfig:
     # or None/"memory" (nothing survives); `motor-kv-adapter serve` defaults to a file in $XDG_STATE_HOME.
     registry: Union[str, None] = None
     registry_dead_after_s: float = 60.0  # a restored registration silent this long is dropped (0: never)
+    # /query's DP layout (scoring.QUERY_SHAPES): "tokens" is what every released Motor scores.
+    query_shape: str = "tokens"
 
     def __post_init__(self) -> None:
+        if self.query_shape not in QUERY_SHAPES:
+            raise ConfigError(
+                [f"query_shape is {self.query_shape!r}: use one of {', '.join(QUERY_SHAPES)} (docs/motor.md)"]
+            )
         if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
             raise ConfigError([f"max_streams must be an integer >= 1, got {self.max_streams!r}"])
         dead = self.registry_dead_after_s
@@ -533,9 +541,11 @@ class AdapterState:
     def _keys_response(
         self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
     ) -> dict[str, Any]:
-        """``conductor_response(*instance_hits(..), fold=True)`` fused for the hot path (same JSON)."""
+        """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path (same JSON)."""
         view = self._view(model, tenant, block_size)
-        out, observed = _conductor_answer(view.plans, self._best_ranks(view, keys, block_size), block_size)
+        cfg, shape = self.scoring_config(block_size), self.config.query_shape
+        best = self._best_ranks(view, keys, block_size)
+        out, observed = _conductor_answer(view.plans, best, block_size, cfg, shape)
         self.metrics.observe_hits(model, observed, blocks, started, block_size)
         return {tenant: out}
 
@@ -659,10 +669,15 @@ class AdapterState:
 
 
 def _conductor_answer(
-    plans: Sequence[_Plan], best: Mapping[str, tuple[int, TierCounts]], block_size: int
+    plans: Sequence[_Plan],
+    best: Mapping[str, tuple[int, TierCounts]],
+    block_size: int,
+    cfg: KvAffinityConfig,
+    shape: str,
 ) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int, TierCounts]]]:
-    """``/query``'s per-instance entries from each stream's best rank, and the hits listed
-    (instance, dp key, engine rank, hit) for the metrics.  Every registered dp is listed."""
+    """``/query``'s per-instance entries (:func:`scoring.instance_entry` in ``shape``) from each
+    stream's best rank, and the hits listed (instance, dp key, engine rank, hit) for the metrics.
+    Every registered dp is listed."""
     out: dict[str, dict[str, Any]] = {}
     observed: list[tuple[str, str, int, TierCounts]] = []
     for plan in plans:
@@ -673,7 +688,7 @@ def _conductor_answer(
             else:
                 entry = dp_entry(found[1], found[0], block_size)
                 observed.append((plan.instance, plan.keys[0], found[0], found[1]))
-            out[plan.instance] = {"longest_matched": entry["matched_tokens"], "DP": {plan.keys[0]: entry}}
+            out[plan.instance] = instance_entry({plan.keys[0]: entry}, cfg, block_size, shape)
             continue
         per_dp: dict[int, TierCounts] = {}
         for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
@@ -681,16 +696,14 @@ def _conductor_answer(
             if found is not None:
                 per_dp[dp] = found[1]
         entries: dict[str, dict[str, Any]] = {}
-        longest = 0
         for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
             hit = per_dp.get(dp)
             if hit is None:
                 entries[dp_key] = dp_entry(None, dp, block_size)
                 continue
-            entry = entries[dp_key] = dp_entry(hit, dp, block_size)
-            longest = max(longest, entry["matched_tokens"])
+            entries[dp_key] = dp_entry(hit, dp, block_size)
             observed.append((plan.instance, dp_key, dp, hit))
-        out[plan.instance] = {"longest_matched": longest, "DP": entries}
+        out[plan.instance] = instance_entry(entries, cfg, block_size, shape)
     return out, observed
 
 

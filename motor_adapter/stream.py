@@ -87,6 +87,9 @@ class StreamHealth:
     reconnects: int
     apply_errors: int = 0
     dropped_live: int = 0  # live batches dropped because the buffer was full during a replay
+    # Ranks of an instance stream, from its snapshot (the fan-in sends every rank 0..dp_size-1,
+    # empty ones included); None: not known (plain engine stream, or no snapshot yet).
+    dp_size: int | None = None
 
 
 _COUNTERS = (
@@ -192,6 +195,7 @@ class StreamSubscriber:
         self._live_high: int | None = None  # highest live seq accepted on this connection
         self._need_sync = False
         self._snapshot_ok: bool | None = None  # None: not known yet
+        self._kind_logged = False  # what the registration turned out to be, said once
         self._gap_key: tuple[int, int] | None = None
         self._restarted_by: _Item | None = None
         self._epoch: int | None = None  # epoch of the last applied seq; None after a counted restart
@@ -446,6 +450,14 @@ class StreamSubscriber:
             return
         self._c.events += len(batch.events)
         self._last_event_at = time.monotonic()
+        if not self._kind_logged and self.dp_rank_override is None and epoch == 0:
+            self._kind_logged = True
+            log.warning(
+                "stream %s: a plain engine stream (no fan-in epoch), not an instance stream: only the ranks it "
+                "publishes are visible (SGLang without the plugin publishes rank r on port + r); run the engine "
+                "with --plugin sglang_kvpub, or register type sglang with dp_size (compatibility mode)",
+                self.endpoint,
+            )
         try:
             result = self._index.apply_batch(self.instance_id, batch, dp_rank=self.dp_rank_override)
         except Exception:
@@ -578,6 +590,22 @@ class StreamSubscriber:
             index += 1
         self._apply_tail(replies[index:])
         log.info("stream %s: snapshot at seq %d applied (%d batches)", self.endpoint, snap_seq, index)
+        self._discover(snap_seq, replies[:index])
+
+    def _discover(self, snap_seq: int, snapshot: list[_Item]) -> None:
+        """Learns the instance's dp_size from a fan-in snapshot and says what was found."""
+        if wire.seq_epoch(snap_seq) == 0:
+            return  # not our fan-in: a plain engine stream has no epoch and no snapshot
+        ranks = sorted({item.batch.dp_rank for item in snapshot if item.batch and item.batch.dp_rank is not None})
+        if not ranks or ranks != list(range(len(ranks))) or len(ranks) == self._c.dp_size:
+            return
+        self._c.dp_size = len(ranks)
+        self._kind_logged = True
+        log.info(
+            "stream %s: instance stream with dp_size %d (ranks 0..%d, epoch %d) found from its snapshot; "
+            "every rank's blocks are indexed and fold into the registered dp",
+            self.endpoint, len(ranks), len(ranks) - 1, wire.seq_epoch(snap_seq),
+        )  # fmt: skip
 
     def _apply_history(self, replies: list[_Item]) -> None:
         """Applies replayed batches in order from the first one that follows ``last``."""

@@ -16,7 +16,7 @@ from motor_adapter.service import ServiceConfig
 pytestmark = pytest.mark.unit
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "docs" / "examples" / "motor_user_config.json"
-ENV: dict[str, str] = {}
+ENV: dict[str, str] = {"KV_CONDUCTOR_SERVICE": "127.0.0.1"}
 
 
 @pytest.fixture
@@ -42,11 +42,11 @@ def test_the_documented_example_is_clean(good: dict[str, Any]) -> None:
 
 
 def _set_block_size(cfg: dict[str, Any]) -> None:
-    _scheduler(cfg)["kv_conductor_config"]["block_size"] = 64
+    _engine(cfg)["block-size"] = 64
 
 
 def _drop_block_size_with_page_256(cfg: dict[str, Any]) -> None:
-    del _scheduler(cfg)["kv_conductor_config"]["block_size"]
+    del _engine(cfg)["block-size"]
     _engine(cfg)["page-size"] = 256
 
 
@@ -72,32 +72,33 @@ def _replay_equal_with_plugin(cfg: dict[str, Any]) -> None:
     _engine(cfg)["kv-events-config"]["replay_endpoint"] = "tcp://*:5557"
 
 
-def _engine_type(cfg: dict[str, Any]) -> None:
-    del _scheduler(cfg)["kv_conductor_config"]["engine_type"]
+def _no_tokenizer(cfg: dict[str, Any]) -> None:
+    del cfg["motor_engine_prefill_config"]["model_config"]
+    _engine(cfg)["model-path"] = _engine(cfg).pop("model")  # Motor never resolves model-path for SGLang
+
+
+def _port_under_scheduler(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["kv_conductor_config"] = cfg.pop("kv_conductor_config")
 
 
 def _negative_weight(cfg: dict[str, Any]) -> None:
-    _scheduler(cfg)["kv_affinity"]["w_npu"] = -1
+    _scheduler(cfg)["kv_affinity_load_weight"] = -1
 
 
 def _unknown_mode(cfg: dict[str, Any]) -> None:
-    _scheduler(cfg)["kv_affinity"]["mode"] = "greedy"
+    _scheduler(cfg)["kv_affinity_mode"] = "greedy"
 
 
 def _w_cpu_without_plugin(cfg: dict[str, Any]) -> None:
     del _engine(cfg)["plugin"]
     cfg["motor_deploy_config"]["enable_multi_endpoints"] = True
-    _scheduler(cfg)["kv_affinity"]["w_cpu"] = 1.0
+    _scheduler(cfg)["kv_affinity_w_cpu"] = 1.0
     _engine(cfg)["enable-hierarchical-cache"] = True
     _engine(cfg)["hicache-write-policy"] = "write_through"
 
 
 def _scheduler_type(cfg: dict[str, Any]) -> None:
     _scheduler(cfg)["scheduler_type"] = "load_balance"
-
-
-def _no_conductor_service(cfg: dict[str, Any]) -> None:
-    _scheduler(cfg)["kv_conductor_config"]["conductor_service"] = ""
 
 
 def _publisher(cfg: dict[str, Any]) -> None:
@@ -107,19 +108,19 @@ def _publisher(cfg: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("mutate", "key", "words"),
     [
-        (_set_block_size, "kv_conductor_config.block_size", "page-size is 128"),
-        (_drop_block_size_with_page_256, "kv_conductor_config.block_size", "not SGLang's page-size"),
+        (_set_block_size, "engine_config.block-size", "page-size (SGLang's --page-size) is 128"),
+        (_drop_block_size_with_page_256, "engine_config.block-size", "unset, so Motor sends 128"),
+        (_no_tokenizer, "model_config.model_path", "loads no tokenizer"),
+        (_port_under_scheduler, "scheduler_config.kv_conductor_config", "not where Motor looks"),
         (_drop_events, "kv-events-config", "is missing"),
         (_events_bad_json, "kv-events-config", "not valid JSON"),
         (_no_plugin, "engine_config.plugin", "ranks 1..N-1 are invisible"),
         (_replay_overlap, "replay_endpoint", "overlap the event ports 5557..5572"),
         (_replay_equal_with_plugin, "replay_endpoint", "overlap"),
-        (_engine_type, "kv_conductor_config.engine_type", "engine_type is sglang"),
-        (_negative_weight, "kv_affinity", "w_npu"),
+        (_negative_weight, "kv_affinity", "load_weight"),
         (_unknown_mode, "kv_affinity", "greedy"),
         (_w_cpu_without_plugin, "kv_affinity.w_cpu", "exclusive split"),
         (_scheduler_type, "scheduler_type", "KV affinity is off"),
-        (_no_conductor_service, "conductor_service", "never queries"),
         (_publisher, "kv-events-config.publisher", "'null'"),
     ],
 )
@@ -139,9 +140,12 @@ def test_each_problem_is_named_with_its_key_and_fix(
     assert "fix:" in out and key in out
 
 
-def test_conductor_service_from_env_is_fine(good: dict[str, Any]) -> None:
-    _no_conductor_service(good)
-    assert not [f for f in check_config(good, {"KV_CONDUCTOR_SERVICE": "10.0.0.1"}) if "conductor_service" in f.key]
+def test_conductor_host_comes_from_the_environment_only(good: dict[str, Any]) -> None:
+    assert not [f for f in check_config(good, ENV) if "KV_CONDUCTOR_SERVICE" in f.key]
+    (note,) = [f for f in check_config(good, {}) if f.key == "KV_CONDUCTOR_SERVICE"]
+    assert note.severity == "note" and "export KV_CONDUCTOR_SERVICE" in note.fix
+    good["kv_conductor_config"]["conductor_service"] = "10.0.0.1"  # what older docs said: ignored by Motor
+    assert any("not read" in f.message for f in check_config(good, ENV) if "conductor_service" in f.key)
 
 
 def test_not_json_and_not_an_object(tmp_path: Path) -> None:
@@ -213,10 +217,24 @@ def test_service_config_reads_motor_config_and_env(good: dict[str, Any], tmp_pat
     motor = tmp_path / "user_config.json"
     motor.write_text(json.dumps(good))
     cfg = ServiceConfig.from_mapping({"motor_config": str(motor), "port": 14000}, env={"MOTOR_KV_ADAPTER_TOKEN": "t"})
-    assert (cfg.port, cfg.auth_token, cfg.kv_affinity.w_cpu, cfg.kv_affinity.block_size) == (14000, "t", 0.0, 128)
+    assert (cfg.port, cfg.auth_token, cfg.kv_affinity.load_weight, cfg.kv_affinity.block_size) == (14000, "t", 1.0, 128)
     assert cfg.host == "127.0.0.1"
     with pytest.raises(ValueError, match="unknown service setting"):
         ServiceConfig.from_mapping({"prot": 1})
     example = EXAMPLE.parent / "adapter_config.json"
     loaded = ServiceConfig.from_file(str(example), env={})
     assert loaded.tokenizer_path == "/models/DeepSeek-V4-Flash" and loaded.max_body_bytes == 8 << 20
+
+
+def test_block_size_against_the_sglang_launch_arguments(good: dict[str, Any], tmp_path: Path) -> None:
+    launch = "python -m sglang.launch_server --model-path /m --dp-size 16 --page-size 64 --plugin sglang_kvpub"
+    (problem,) = [f for f in check_config(good, ENV, sglang_args=launch) if f.severity == "problem"]
+    assert "engine_config.block-size" in problem.key and "--page-size 64" in problem.message
+    assert '"block-size": 64' in problem.fix
+    assert not [f for f in check_config(good, ENV, sglang_args=launch.replace("64", "128")) if f.severity == "problem"]
+    # no --page-size: SGLang's default page size 1 never matches Motor's 128
+    assert any("--page-size 1" in f.message for f in check_config(good, ENV, sglang_args="--dp-size 2"))
+    path = tmp_path / "user_config.json"
+    path.write_text(json.dumps(good))
+    assert main(["check-config", str(path), "--sglang-args=--page-size=128"]) == 0
+    assert main(["check-config", str(path), "--sglang-args=python -m sglang.launch_server --page-size 32"]) == 1

@@ -150,7 +150,7 @@ def test_a_repeated_body_sees_the_index_as_it_is_now_in_json_or_msgpack(server: 
         kind, payload = _post(url, body, as_json)
         assert kind.startswith("application/json")
         answer: dict[str, Any] = json.loads(payload)
-        return int(answer["default"]["vllm-prefill-0"]["DP"]["0"]["matched_tokens"])
+        return int(answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"])
 
     assert matched() == 0
     pub.store(tokens[: 2 * BS], rank=3)
@@ -162,4 +162,4 @@ def test_a_repeated_body_sees_the_index_as_it_is_now_in_json_or_msgpack(server: 
     answer = msgpack.unpackb(payload)
     status, json_answer = http(url, {"model": MODEL, "block_size": BS, "token_ids": tokens, "tenant_id": "default"})
     assert status == 200 and answer == json_answer
-    assert answer["default"]["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 1
+    assert answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["engine_dp_rank"] == 1

@@ -390,58 +390,68 @@ def test_decision_to_dict_round_trips_the_breakdown() -> None:
 def test_conductor_response_folds_engine_ranks_into_the_registered_dp() -> None:
     hits = {"vllm-prefill-0": {3: hit(2, 1), 7: hit(20)}}
     body = conductor_response(hits, {"vllm-prefill-0": [0], "vllm-prefill-1": [0]}, BS)
+    warm = {"matched_tokens": 2560, "npu_blocks": 20, "cpu_blocks": 0, "disk_blocks": 0, "engine_dp_rank": 7}
+    cold = {"matched_tokens": 0, "npu_blocks": 0, "cpu_blocks": 0, "disk_blocks": 0, "engine_dp_rank": None}
     assert body == {
         "default": {
             "vllm-prefill-0": {
                 "longest_matched": 2560,
-                "DP": {
-                    "0": {
-                        "matched_tokens": 2560,
-                        "npu_blocks": 20,
-                        "cpu_blocks": 0,
-                        "disk_blocks": 0,
-                        "engine_dp_rank": 7,
-                    }
-                },
+                "GPU": 2560,
+                "CPU": 0,
+                "DISK": 0,
+                "DP": {"0": 2560},
+                "dp_detail": {"0": warm},
             },
             "vllm-prefill-1": {
                 "longest_matched": 0,
-                "DP": {
-                    "0": {
-                        "matched_tokens": 0,
-                        "npu_blocks": 0,
-                        "cpu_blocks": 0,
-                        "disk_blocks": 0,
-                        "engine_dp_rank": None,
-                    }
-                },
+                "GPU": 0,
+                "CPU": 0,
+                "DISK": 0,
+                "DP": {"0": 0},
+                "dp_detail": {"0": cold},
             },
         }
     }
+    dicts = conductor_response(hits, {"vllm-prefill-0": [0]}, BS, shape="rank_dicts")["default"]["vllm-prefill-0"]
+    assert dicts == {"longest_matched": 2560, "GPU": 2560, "CPU": 0, "DISK": 0, "DP": {"0": warm}}
+
+
+def test_conductor_response_tokens_are_motors_weighted_match() -> None:
+    """``DP`` ints are what a dict-per-rank Motor computes from the dict: tiers x weights x block_size."""
+    hits = {"p": {2: hit(3, 4, 5)}}
+    cfg = KvAffinityConfig(w_npu=1.0, w_cpu=0.5, w_disk=0.25)
+    entry = conductor_response(hits, {"p": [0]}, BS, cfg=cfg)["default"]["p"]
+    assert entry["DP"] == {"0": round((3 + 4 * 0.5 + 5 * 0.25) * BS)}
+    assert (entry["GPU"], entry["CPU"], entry["DISK"]) == (3 * BS, 4 * BS, 5 * BS)
+    assert entry["longest_matched"] == entry["dp_detail"]["0"]["matched_tokens"] == 12 * BS
+    with pytest.raises(ValueError, match="shape"):
+        conductor_response(hits, {"p": [0]}, BS, shape="ints")
 
 
 def test_conductor_response_fold_uses_motor_weights_but_reports_unweighted_tokens() -> None:
     hits = {"p": {0: hit(0, 0, 30), 1: hit(10)}}
-    entry = conductor_response(hits, {"p": [0]}, BS)["default"]["p"]["DP"]["0"]
+    entry = conductor_response(hits, {"p": [0]}, BS)["default"]["p"]["dp_detail"]["0"]
     assert (entry["engine_dp_rank"], entry["matched_tokens"]) == (1, 1280)  # w_disk=0: disk-only rank loses
-    entry = conductor_response(hits, {"p": [0]}, BS, cfg=KvAffinityConfig(w_disk=1.0))["default"]["p"]["DP"]["0"]
+    cfg = KvAffinityConfig(w_disk=1.0)
+    entry = conductor_response(hits, {"p": [0]}, BS, cfg=cfg)["default"]["p"]["dp_detail"]["0"]
     assert (entry["engine_dp_rank"], entry["disk_blocks"], entry["matched_tokens"]) == (0, 30, 3840)
 
 
 def test_conductor_response_per_rank_registration_and_tenant() -> None:
     hits = {"p": {1: hit(3, 1), 2: hit(5)}}
     body = conductor_response(hits, {"p": [0, 1, 2, 3]}, BS, tenant="t1")
-    dp = body["t1"]["p"]["DP"]
-    assert list(dp) == ["0", "1", "2", "3"]
+    dp = body["t1"]["p"]["dp_detail"]
+    assert list(dp) == list(body["t1"]["p"]["DP"]) == ["0", "1", "2", "3"]
     assert (dp["1"]["matched_tokens"], dp["1"]["engine_dp_rank"], dp["0"]["matched_tokens"]) == (512, 1, 0)
-    assert body["t1"]["p"]["longest_matched"] == 640
+    assert body["t1"]["p"]["DP"] == {"0": 0, "1": 512, "2": 640, "3": 0}
+    assert body["t1"]["p"]["longest_matched"] == 640 and body["t1"]["p"]["GPU"] == 640
     # fold=False with a single registered dp reads that rank only
-    assert conductor_response(hits, {"p": [2]}, BS, fold=False)["default"]["p"]["DP"]["2"]["npu_blocks"] == 5
+    assert conductor_response(hits, {"p": [2]}, BS, fold=False)["default"]["p"]["dp_detail"]["2"]["npu_blocks"] == 5
 
 
 def test_conductor_response_without_registrations() -> None:
     hits = {"p": {1: hit(3), 2: hit(5)}}
-    assert conductor_response(hits, None, BS)["default"]["p"]["DP"]["0"]["engine_dp_rank"] == 2
+    assert conductor_response(hits, None, BS)["default"]["p"]["dp_detail"]["0"]["engine_dp_rank"] == 2
     unfolded = conductor_response(hits, None, BS, fold=False)["default"]["p"]["DP"]
     assert sorted(unfolded) == ["1", "2"]
     assert conductor_response({}, None, BS) == {"default": {}}

@@ -252,26 +252,26 @@ def test_fanned_in_instance_folds_ranks_into_registered_dp(server: Server, zctx:
     pub.store(prompt(9, 8), rank=3)
 
     def hot() -> Any:
-        dp = client.query(tokens).get("vllm-prefill-0", {}).get("DP", {}).get("0", {})
+        dp = client.query(tokens).get("vllm-prefill-0", {}).get("dp_detail", {}).get("0", {})
         return dp if dp.get("npu_blocks") == 20 else None
 
     dp0 = wait_for(hot, "20 npu blocks")
     assert dp0 == {"matched_tokens": 20 * BS, "npu_blocks": 20, "cpu_blocks": 0, "disk_blocks": 0, "engine_dp_rank": 2}
     full = client.query(tokens)["vllm-prefill-0"]
-    assert full["longest_matched"] == 20 * BS and list(full["DP"]) == ["0"]
+    assert full["longest_matched"] == 20 * BS and full["DP"] == {"0": 20 * BS} and full["GPU"] == 20 * BS
     assert client.failures == 0
 
     # Motor re-registers every 30 s: idempotent, the index survives.
     status, again = client.register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True, dp_size=4)
     assert status == 200 and again["changed"] is False
-    assert client.query(tokens)["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 20
+    assert client.query(tokens)["vllm-prefill-0"]["dp_detail"]["0"]["npu_blocks"] == 20
 
     # query_by_hash with the conductor's local hashes (i64 spelling accepted).
     hashes = [h - (1 << 64) if h >= 1 << 63 else h for h in local_block_hashes(tokens, BS)]
     body = {"model": MODEL, "block_size": BS, "block_hashes": hashes, "tenant_id": "default"}
     status, by_hash = http(server.url + "/query_by_hash", body)
-    assert status == 200 and by_hash["default"]["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 2
-    assert by_hash["default"]["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 20
+    assert status == 200 and by_hash["default"]["vllm-prefill-0"]["dp_detail"]["0"]["engine_dp_rank"] == 2
+    assert by_hash["default"]["vllm-prefill-0"]["dp_detail"]["0"]["npu_blocks"] == 20
 
     status, workers = http(server.url + "/workers")
     assert status == 200
@@ -314,11 +314,11 @@ def test_same_url_registrations_share_one_subscription_and_cpu_disk_repeat_is_en
     aff = server.state.affinity(MODEL, "default", BS)
     assert aff is not None and aff.instances() == [pub.endpoint]
     # still an engine stream: the HBM blocks are still there, new ones still land on npu
-    assert client.query(tokens)["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 4
+    assert client.query(tokens)["vllm-prefill-0"]["dp_detail"]["0"]["npu_blocks"] == 4
     # a second instance naming the same URL shares the subscriber
     assert client.register_hbm_dp("vllm-prefill-9", pub.endpoint, fanned_in=True)[0] == 200
     assert aff.instances() == [pub.endpoint]
-    assert client.query(tokens)["vllm-prefill-9"]["DP"]["0"]["npu_blocks"] == 4
+    assert client.query(tokens)["vllm-prefill-9"]["dp_detail"]["0"]["npu_blocks"] == 4
     # unregister one: the other keeps the subscription
     status, _ = http(server.url + "/unregister", {"instance_id": "vllm-prefill-9", "dp_rank": 0, "modelname": MODEL})
     assert status == 200 and aff.instances() == [pub.endpoint]
@@ -338,8 +338,8 @@ def test_compat_mode_subscribes_base_plus_rank(server: Server, zctx: zmq.Context
     pubs[3].store(tokens, rank=None)  # plain SGLang: no dp_rank in the batch, the port says it
     dp0 = wait_for(
         lambda: (
-            client.query(tokens).get("vllm-prefill-2", {}).get("DP", {}).get("0", {}).get("npu_blocks") == 6
-            and client.query(tokens)["vllm-prefill-2"]["DP"]["0"]
+            client.query(tokens).get("vllm-prefill-2", {}).get("dp_detail", {}).get("0", {}).get("npu_blocks") == 6
+            and client.query(tokens)["vllm-prefill-2"]["dp_detail"]["0"]
         ),
         "compat hit",
     )
@@ -421,7 +421,8 @@ def test_report_scenario_cold_load_balance_then_hot_affinity_on_the_right_rank(
     wait_for(lambda: client.query(tokens).get("vllm-prefill-0", {}).get("longest_matched") == 20 * BS, "hot")
     rsp = client.query(tokens)
     assert (
-        rsp["vllm-prefill-0"]["DP"]["0"]["npu_blocks"] == 20 and rsp["vllm-prefill-0"]["DP"]["0"]["engine_dp_rank"] == 7
+        rsp["vllm-prefill-0"]["dp_detail"]["0"]["npu_blocks"] == 20
+        and rsp["vllm-prefill-0"]["dp_detail"]["0"]["engine_dp_rank"] == 7
     )
     assert rsp["vllm-prefill-1"]["longest_matched"] == 0
 

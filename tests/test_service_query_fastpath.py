@@ -47,9 +47,9 @@ class _Quiet:
         return None
 
 
-def _state(cfg: KvAffinityConfig) -> AdapterState:
+def _state(cfg: KvAffinityConfig, shape: str = "tokens") -> AdapterState:
     return AdapterState(
-        ServiceConfig(kv_affinity=cfg),
+        ServiceConfig(kv_affinity=cfg, query_shape=shape),
         affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_Quiet),
     )
 
@@ -97,13 +97,15 @@ def _store(aff: KvAffinity, stream: str, rank: int, tokens: list[int], rng: rand
 
 def _reference(state: AdapterState, keys: list[int], tenant: str = "default") -> dict[str, Any]:
     hits, dps, _ = state.instance_hits(MODEL, tenant, BS, lambda aff: aff.query_keys(keys))
-    return conductor_response(hits, dps, BS, tenant=tenant, fold=True, cfg=state.scoring_config(BS))
+    cfg = state.scoring_config(BS)
+    return conductor_response(hits, dps, BS, tenant=tenant, fold=True, cfg=cfg, shape=state.config.query_shape)
 
 
 def _expected_hit_metrics(response: Mapping[str, Any]) -> dict[tuple[tuple[str, str], ...], float]:
     out: dict[tuple[tuple[str, str], ...], float] = {}
     for instance, entry in response.items():
-        for dp, fig in entry["DP"].items():
+        detail = entry["DP"] if isinstance(next(iter(entry["DP"].values()), None), dict) else entry["dp_detail"]
+        for dp, fig in detail.items():
             for tier in ("npu", "cpu", "disk"):
                 count = fig[f"{tier}_blocks"]
                 if fig["matched_tokens"] and count:
@@ -118,10 +120,17 @@ def _expected_hit_metrics(response: Mapping[str, Any]) -> dict[tuple[tuple[str, 
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32), w_cpu=st.sampled_from([0.0, 0.5, 1.0]), w_disk=st.sampled_from([0.0, 1.0]))
-def test_fused_query_equals_conductor_response_of_instance_hits(seed: int, w_cpu: float, w_disk: float) -> None:
+@given(
+    seed=st.integers(0, 2**32),
+    w_cpu=st.sampled_from([0.0, 0.5, 1.0]),
+    w_disk=st.sampled_from([0.0, 1.0]),
+    shape=st.sampled_from(["tokens", "rank_dicts"]),
+)
+def test_fused_query_equals_conductor_response_of_instance_hits(
+    seed: int, w_cpu: float, w_disk: float, shape: str
+) -> None:
     rng = random.Random(seed)
-    state = _state(KvAffinityConfig(block_size=BS, w_cpu=w_cpu, w_disk=w_disk))
+    state = _state(KvAffinityConfig(block_size=BS, w_cpu=w_cpu, w_disk=w_disk), shape)
     try:
         tokens = [rng.randrange(1000) for _ in range(rng.randint(0, 10) * BS + rng.randrange(BS))]
         streams: list[str] = []
