@@ -8,8 +8,8 @@ registry) learns the instance from this command instead of a re-add in Motor::
         --ip 10.0.0.5 --instance-id vllm-prefill-0
 
 derives the body the way Motor does (``kv-events-config.endpoint`` with ``*`` replaced by the
-instance's IP and the port plus the endpoint id, the same for ``replay_endpoint``;
-``block_size`` and ``engine_type`` from ``kv_conductor_config``); every field can also be
+instance's IP and the port plus the endpoint id, the same for ``replay_endpoint``; ``type``
+always ``vLLM``; ``block_size`` from the engine's ``block-size``); every field can also be
 given (or overridden) by a flag. ``--dry-run`` prints the body and sends nothing.
 """
 
@@ -43,24 +43,28 @@ def _endpoint_for(pattern: str, ip: str, endpoint_id: int) -> str:
 
 
 def motor_body(config: Mapping[str, Any], ip: str, instance_id: str, endpoint_id: int = 0) -> dict[str, Any]:
-    """The ``/register`` body Motor's coordinator builds for one endpoint of an instance."""
-    from motor_adapter.motor import _conductor, _engine_args, _find_engine, _kv_events
+    """The ``/register`` body the released Motor's coordinator builds for one endpoint of an instance.
 
-    _, conductor = _conductor(config)
+    As recorded from mindie-motor 3.0.0b2 (docs/examples/register_motor.json): the legacy
+    ``endpoint`` key, ``type`` always ``vLLM``, ``block_size`` from the engine's ``block-size``
+    (never ``page-size``, never the conductor section), ``modelname`` the instance's model name.
+    """
+    from motor_adapter.motor import _engine_args, _find_engine, _kv_events
+
     engine_key, engine = _find_engine(config)
     args = _engine_args(engine)
     events, why = _kv_events(args)
     if events is None:
         raise ValueError(f"{engine_key}.engine_config.kv-events-config {why}: nothing to subscribe to")
+    model_config = engine.get("model_config") if isinstance(engine, Mapping) else None
+    model_name = model_config.get("model_name") if isinstance(model_config, Mapping) else None
     body: dict[str, Any] = {
+        "endpoint": _endpoint_for(str(events.get("endpoint", "tcp://*:5557")), ip, endpoint_id),
+        "type": "vLLM",
+        "modelname": str(model_name or args.get("served-model-name") or "default"),
+        "block_size": int(args.get("block-size") or 128),
         "instance_id": instance_id,
         "dp_rank": endpoint_id,
-        "medium_endpoints": {"npu": _endpoint_for(str(events.get("endpoint", "tcp://*:5557")), ip, endpoint_id)},
-        "type": str(conductor.get("engine_type", "vLLM")),
-        "store_backend": str(conductor.get("store_backend", "")),
-        "modelname": str(args.get("served-model-name") or "default"),
-        "block_size": int(conductor.get("block_size") or args.get("block-size") or 128),
-        "tenant_id": "default",
     }
     if events.get("replay_endpoint"):
         body["replay_endpoint"] = _endpoint_for(str(events["replay_endpoint"]), ip, endpoint_id)

@@ -128,10 +128,8 @@ def test_register_derives_motors_body_from_its_user_config(capsys: pytest.Captur
     args = ["register", "--url", "http://127.0.0.1:1", "--instance-id", "vllm-prefill-1", "--dry-run"]
     assert main([*args, "--motor-config", str(EXAMPLE), "--ip", "10.0.0.5", "--fanned-in", "--dp-size", "16"]) == 0
     body = json.loads(capsys.readouterr().out)
-    assert (
-        body["medium_endpoints"] == {"npu": "tcp://10.0.0.5:5557"} and body["replay_endpoint"] == "tcp://10.0.0.5:6667"
-    )
-    assert body["type"] == "sglang" and body["modelname"] == "dsv4-flash" and body["block_size"] == 128
+    assert body["endpoint"] == "tcp://10.0.0.5:5557" and body["replay_endpoint"] == "tcp://10.0.0.5:6667"
+    assert body["type"] == "vLLM" and body["modelname"] == "dsv4-flash" and body["block_size"] == 128
     assert body["fanned_in"] is True and body["dp_size"] == 16
     assert main(["register", "--url", "http://127.0.0.1:1", "--instance-id", "x"]) == 2  # nothing to subscribe to
     assert "--endpoint" in capsys.readouterr().err

@@ -190,15 +190,15 @@ def test_etcd_keys_round_trip_any_name() -> None:
 
 def test_register_body_is_what_motor_sends_for_the_documented_config() -> None:
     config = json.loads(EXAMPLE.read_text())
+    recorded = json.loads((EXAMPLE.parent / "register_motor.json").read_text())  # mindie-motor 3.0.0b2
+    assert motor_body(config, "10.0.0.11", "vllm-prefill-0") == recorded
     body = motor_body(config, "10.0.0.5", "vllm-prefill-3", endpoint_id=2)
     assert body == {
-        "instance_id": "vllm-prefill-3",
-        "dp_rank": 2,
-        "medium_endpoints": {"npu": "tcp://10.0.0.5:5559"},
-        "type": "sglang",
-        "store_backend": "",
+        "endpoint": "tcp://10.0.0.5:5559",
+        "type": "vLLM",
         "modelname": "dsv4-flash",
         "block_size": 128,
-        "tenant_id": "default",
+        "instance_id": "vllm-prefill-3",
+        "dp_rank": 2,
         "replay_endpoint": "tcp://10.0.0.5:6669",
     }
