@@ -84,7 +84,7 @@ class Target:
 _CONVERSATION = ("trace", "conversation_trace.jsonl")
 _SYNTHETIC = ("trace", "synthetic_trace.jsonl")
 
-# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 19): ONE list, read by every bench
+# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 16, 19, 21): ONE list, read by every bench
 # for its own JSON line and by run_all.py for the README's table.
 TARGETS: tuple[Target, ...] = (
     Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
@@ -111,6 +111,9 @@ TARGETS: tuple[Target, ...] = (
     Target("server", "step_overhead_us_median", "<=", 20.0, where=(("tree_core", "rust"),)),
     Target("server", "throughput_cost_pct", "<=", 2.0, where=(("tree_core", "python"),)),
     Target("server", "step_overhead_us_median", "<=", 20.0, where=(("tree_core", "python"),)),
+    Target("e2e", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
+    Target("e2e", "motor_scored_hit_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
+    Target("e2e", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _CONVERSATION)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _SYNTHETIC)),
 )

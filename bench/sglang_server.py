@@ -37,6 +37,7 @@ from typing import Any
 
 __all__ = [
     "REPO",
+    "SERVER_MODULES",
     "TOPIC",
     "ServerError",
     "ServerSpec",
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 REPO = Path(__file__).resolve().parents[1]
+# What `python -m sglang.launch_server` imports beyond the real-SGLang test deps
+# (.ci/requirements-server.txt); without them the server tiers are skipped, failed in CI.
+SERVER_MODULES = ("sglang", "torch", "triton", "jsonschema", "xgrammar", "soundfile", "multipart", "tokenizers")
 TOPIC = "kv"
 VOCAB = 512
 _PORTS = (33000, 60000)  # random starting points; every port is test-bound first

@@ -122,7 +122,7 @@ class DispatchDecision:
     cost: float | None = None
 
     def log_line(self) -> str:
-        """Motor's ``scheduled`` line shape, for the controller log at debug level."""
+        """Motor's ``scheduled`` line shape, logged by the controller at info level per request."""
         if self.rank is None:
             return f"dp_dispatch policy=default matched=None reason={self.reason} isl={self.isl}"
         return (
@@ -527,8 +527,8 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
     loads, budget = _controller_loads(controller, dispatcher)
     candidates = [r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None]
     decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("%s rid=%s", decision.log_line(), getattr(req, "rid", None))
+    if log.isEnabledFor(logging.INFO):  # one line per request, in the controller process (not a scheduler)
+        log.info("%s rid=%s", decision.log_line(), getattr(req, "rid", None))
     rank = decision.rank
     if rank is not None:
         committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched

@@ -28,9 +28,7 @@ if str(BENCH) not in sys.path:
 import sglang_server  # noqa: E402  (bench/sglang_server.py)
 from conftest import free_port_block  # noqa: E402  (tests/conftest.py)
 
-# What `python -m sglang.launch_server` imports beyond the real-SGLang test deps
-# (.ci/requirements-server.txt); without them the tier is skipped here, failed in CI.
-SERVER_MODULES = ("sglang", "torch", "triton", "jsonschema", "xgrammar", "soundfile", "multipart", "tokenizers")
+SERVER_MODULES = sglang_server.SERVER_MODULES
 
 
 def _missing() -> list[str]:

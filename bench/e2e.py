@@ -1,0 +1,134 @@
+"""The originating report's headline, measured: a repeated long prefix through Motor, hot vs cold.
+
+Motor's real coordinator -> ``motor-kv-adapter serve`` -> one real SGLang CPU server
+(``--dp-size 2 --plugin sglang_kvpub``), the rig of the end-to-end test tier
+(bench/e2e_rig.py), on a dummy-weight Llama sized so that prefill dominates on this CPU
+(``--layers``/``--hidden``: seconds for a few thousand tokens).  Two rigs in one run, one
+after the other (Motor's coordinator is one per machine), same prompts, same model:
+
+- ``cache_aware``: the plugin's default in-instance dispatch;
+- ``round_robin``: the plugin with ``dp_dispatch: "default"`` (SGLang's own round robin,
+  the report's state once Motor scores the instance: it cannot pick the rank).
+
+Each of ``--prompts`` long prompts is sent cold once, then ``--repeats`` times, one request
+at a time through Motor's ``/v1/completions``.  Per rig, one JSON line: Motor's scores
+(``kv_cache_affinity`` hit on every repeat), the repeats SGLang served from cache
+(``repeats_cached_fraction``: target 1.0 with cache-aware dispatch, about 1/dp_size with
+round robin), and ``hot_over_cold`` = median repeat time / median cold time (target <= 0.3;
+the report saw ~9 s -> ~2 s).  Times are whole requests as a client sees them through Motor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import e2e_rig
+import sglang_server
+from _common import emit, percentile, with_targets
+
+POLICIES = {"cache_aware": "cache_aware", "round_robin": "default"}  # bench label -> plugin dp_dispatch
+
+
+def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, prompts: Sequence[str]) -> dict[str, Any]:
+    spec = e2e_rig.RigSpec(
+        work_dir=work / label,
+        model_dir=model,
+        dispatch=POLICIES[label],
+        tree_core=args.tree_core,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+    )
+    cold_s: list[float] = []
+    hot_s: list[float] = []
+    cached: list[int] = []
+    expected: list[int] = []
+    scored: list[int] = []
+    errors = 0
+    with e2e_rig.Rig(spec) as rig:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        ready_s = rig.timings.get("ready_s", 0.0)
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"]
+            full = len(ids) // args.page_size * args.page_size
+            cold = rig.complete(prompt, max_tokens=args.max_tokens)
+            errors += cold.status != 200
+            cold_s.append(cold.seconds)
+            rig.wait_for_hit(ids)  # Motor scores what the adapter holds: let request 1's blocks arrive
+            for _ in range(args.repeats):
+                hot = rig.complete(prompt, max_tokens=args.max_tokens)
+                errors += hot.status != 200
+                hot_s.append(hot.seconds)
+                cached.append(hot.cached_tokens)
+                expected.append(full)
+                scored.append(hot.scores[-1].matched if hot.scores else 0)
+                time.sleep(args.gap_s)  # a think time between a user's turns, not synchronisation
+        prompt_tokens = len(tokenizer(prompts[0])["input_ids"])
+    repeats = len(cached)
+    served_from_cache = sum(1 for got, full in zip(cached, expected, strict=True) if got >= full > 0)
+    cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)
+    return {
+        "bench": "e2e",
+        "dispatch": label,
+        "dp_size": 2,
+        "tree_core": args.tree_core,
+        "model": f"llama dummy {args.layers}x{args.hidden}",
+        "prompt_tokens": prompt_tokens,
+        "page_size": args.page_size,
+        "prompts": len(prompts),
+        "repeats": repeats,
+        "motor_scored_hit_fraction": round(sum(1 for s in scored if s > 0) / repeats, 3),
+        "repeats_cached_fraction": round(served_from_cache / repeats, 3),
+        "cached_tokens_per_repeat": round(sum(cached) / repeats, 1),
+        "cold_s_median": round(cold_med, 3),
+        "hot_s_median": round(hot_med, 3),
+        "hot_s_p90": round(percentile(hot_s, 90), 3),
+        "hot_over_cold": round(hot_med / cold_med, 3) if cold_med else None,
+        "cold_s": [round(v, 3) for v in cold_s],
+        "hot_s": [round(v, 3) for v in hot_s],
+        "errors": errors,
+        "rig_ready_s": round(ready_s, 1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=3, help="distinct long prompts")
+    parser.add_argument("--repeats", type=int, default=2, help="repeats of each prompt after its cold request")
+    parser.add_argument("--prompt-words", type=int, default=1000, help="pseudo-words per prompt (~3 tokens each)")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--page-size", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--gap-s", type=float, default=0.5)
+    parser.add_argument("--tree-core", default="rust", choices=("rust", "python"))
+    parser.add_argument("--dispatch", default="both", choices=("cache_aware", "round_robin", "both"))
+    parser.add_argument("--quick", action="store_true", help="a small model and 2 prompts (a smoke run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.prompts = 2, 128, 2
+    missing = e2e_rig.environment_ready()
+    if missing:
+        emit({"bench": "e2e", "skipped": f"needs {', '.join(missing)} (.ci/requirements-*.txt)"})
+        return 0
+    labels = list(POLICIES) if args.dispatch == "both" else [args.dispatch]
+    prompts = [e2e_rig.prompt_text(1000 + n, args.prompt_words) for n in range(args.prompts)]
+    with tempfile.TemporaryDirectory(prefix="kvpub-bench-e2e-") as tmp:
+        work = Path(tmp)
+        model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden)
+        for label in labels:
+            emit(with_targets(_rig_line(label, args, work, model, prompts)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

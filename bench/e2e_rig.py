@@ -1,0 +1,460 @@
+"""The originating report's whole path on one machine: Motor's real coordinator -> one real
+SGLang server (``--dp-size 2``, ``--plugin sglang_kvpub``) -> the DP rank that holds the prefix.
+
+Shared by the end-to-end test tier (``tests/e2e/``) and ``bench/e2e.py``; it imports nothing
+from ``tests/``.  Every part is the real one, each in its own process:
+
+- SGLang 0.5.23's ``python -m sglang.launch_server`` on CPU (``bench/sglang_server.py``: a
+  dummy-weight Llama made on the spot, its byte-level BPE tokenizer, ``bench/cpu_shims``);
+- ``motor-kv-adapter serve`` (``python -m motor_adapter.cli serve``) as Motor's kv-conductor;
+- Motor's coordinator, ``python -m motor.coordinator.main`` from the installed
+  ``mindie-motor``, unmodified (``motor_adapter.motor_coordinator``), configured from
+  ``docs/examples/motor_user_config.json`` with only what differs on this machine replaced
+  (:func:`motor_config_from_example`), the instance registered the way Motor's controller does.
+
+Requests go to Motor's ``/v1/completions``; what each part decided is read back from the
+three logs (:meth:`Rig.motor_scores`, :meth:`Rig.sglang_prefills`, :meth:`Rig.dispatches`),
+the same lines an operator reads (README "End to end").
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import copy
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import sglang_server
+
+from motor_adapter.motor_coordinator import Coordinator, instance_event, topology
+
+__all__ = [
+    "EXAMPLE_CONFIG",
+    "Completion",
+    "MotorScore",
+    "Prefill",
+    "Rig",
+    "RigSpec",
+    "motor_config_from_example",
+]
+
+EXAMPLE_CONFIG = sglang_server.REPO / "docs" / "examples" / "motor_user_config.json"
+INSTANCE = "vllm-prefill-0"  # the instance id Motor registers its first prefill instance under
+# Engine keys of the example that describe the production hardware (16 NPUs, DSV4's attention,
+# P/D disaggregation); the CPU server here runs without them.
+_HARDWARE_KEYS = ("tp-size", "enable-dp-attention", "attention-backend", "disaggregation-mode")
+
+# 3.0.0b2: "select_endpoint: 0-0  max_kv_gpu:560"; the Ascend source:
+# "select_endpoint(load-aware): 0-0 matched:560 ..."
+_SELECT = re.compile(r"select_endpoint(?:\(load-aware\))?: (\d+)-(\d+)\s+(?:max_kv_gpu|matched):(\d+)")
+_QUERY = re.compile(r"query success! (\{.*\})\s*$")
+_PREFILL = re.compile(
+    r"\[[^\]]* DP(\d+)[^\]]*\] Prefill batch[,.] #new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)"
+)
+_DISPATCH = re.compile(r"dp_dispatch policy=(\w+)(?: dp_rank=(\d+))? reason=(\w+) isl=(\d+) matched=(\w+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MotorScore:
+    """One kv_cache_affinity decision in Motor's log: the endpoint it chose and the hit it
+    scored (tokens), with the adapter's answer Motor logged just before it."""
+
+    instance: int
+    endpoint: int
+    matched: int
+    answer: Mapping[str, Any]
+
+    @property
+    def engine_dp_rank(self) -> int | None:
+        entry = self.answer.get("default", {}).get(INSTANCE, {})
+        rank = entry.get("dp_detail", {}).get("0", {}).get("engine_dp_rank")
+        return None if rank is None else int(rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """One ``Prefill batch`` line of SGLang's scheduler log."""
+
+    dp_rank: int
+    new_tokens: int
+    cached_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One ``/v1/completions`` through Motor, and what each part logged while it ran."""
+
+    status: int
+    body: Any
+    seconds: float
+    scores: list[MotorScore]
+    prefills: list[Prefill]
+    dispatches: list[dict[str, Any]]
+
+    @property
+    def cached_tokens(self) -> int:
+        """SGLang's cached tokens for this request (its prefill lines; one request at a time)."""
+        return sum(p.cached_tokens for p in self.prefills)
+
+    @property
+    def served_rank(self) -> int | None:
+        ranks = {p.dp_rank for p in self.prefills}
+        return ranks.pop() if len(ranks) == 1 else None
+
+
+@dataclasses.dataclass
+class RigSpec:
+    work_dir: Path
+    model_dir: Path
+    dispatch: str = "cache_aware"  # the plugin's dp_dispatch; "default": SGLang's round robin
+    tree_core: str = "rust"
+    dp_size: int = 2
+    page_size: int = 128
+    max_total_tokens: int = 32768
+    motor_config: Path = EXAMPLE_CONFIG
+    start_timeout_s: float = 900.0
+
+
+def motor_config_from_example(
+    example: Mapping[str, Any],
+    *,
+    model_dir: Path,
+    dp_size: int,
+    page_size: int,
+    events_port: int,
+    replay_port: int,
+    adapter_port: int,
+    infer_port: int,
+    mgmt_port: int,
+    worker_base_port: int,
+) -> dict[str, Any]:
+    """The documented Motor config with only what differs on this machine replaced: the model
+    path (Motor's tokenizer reads it), ports, dp/page size, and the deploy mode the installed
+    Motor scores with (``topology()``); the hardware-only engine keys are dropped."""
+    config = copy.deepcopy(dict(example))
+    mode, _role = topology()
+    coordinator = config["motor_coordinator_config"]
+    coordinator["scheduler_config"]["deploy_mode"] = mode
+    api = {"coordinator_api_host": "127.0.0.1", "coordinator_api_infer_port": infer_port}
+    api["coordinator_api_mgmt_port"] = mgmt_port
+    coordinator["api_config"] = dict(api)  # the Ascend source's section
+    coordinator["http_config"] = dict(api)  # 3.0.0b2's
+    coordinator["inference_workers_config"] = {"num_workers": 1, "worker_metaserver_base_port": worker_base_port}
+    prefill = config["motor_engine_prefill_config"]
+    prefill["model_config"]["model_path"] = str(model_dir)
+    engine = prefill["engine_config"]
+    for key in _HARDWARE_KEYS:
+        engine.pop(key, None)
+    engine.update({"model": str(model_dir), "dp-size": dp_size, "page-size": page_size, "block-size": page_size})
+    events = engine["kv-events-config"]
+    events["endpoint"] = f"tcp://*:{events_port}"
+    events["replay_endpoint"] = f"tcp://*:{replay_port}"
+    config["kv_conductor_config"]["http_server_port"] = adapter_port
+    return config
+
+
+class Rig:
+    """The three processes, started by :meth:`start` and ended by :meth:`stop`."""
+
+    def __init__(self, spec: RigSpec) -> None:
+        self.spec = spec
+        spec.work_dir.mkdir(parents=True, exist_ok=True)
+        example = json.loads(spec.motor_config.read_text(encoding="utf-8"))
+        prefill = example["motor_engine_prefill_config"]
+        self.model_name = str(prefill["model_config"]["model_name"])
+        events = dict(prefill["engine_config"]["kv-events-config"])
+        self.adapter_port = sglang_server.free_port_block(1)
+        self.server = sglang_server.Server(self._server_spec(events))
+        self.motor_config = motor_config_from_example(
+            example,
+            model_dir=spec.model_dir,
+            dp_size=spec.dp_size,
+            page_size=spec.page_size,
+            events_port=self.server.spec.kv_port,
+            replay_port=self.server.spec.replay_port,
+            adapter_port=self.adapter_port,
+            infer_port=sglang_server.free_port_block(1),
+            mgmt_port=sglang_server.free_port_block(1),
+            worker_base_port=sglang_server.free_port_block(8),
+        )
+        self.coordinator = Coordinator(self.motor_config, spec.work_dir / "motor.log")
+        self.adapter_log = spec.work_dir / "adapter.log"
+        self._adapter: subprocess.Popen[bytes] | None = None
+        self.timings: dict[str, float] = {}
+
+    def _server_spec(self, events: Mapping[str, Any]) -> sglang_server.ServerSpec:
+        """SGLang as the example configures it (topic, buffer), on loopback ports."""
+        spec = self.spec
+        extra = {k: v for k, v in events.items() if k not in ("endpoint", "replay_endpoint", "publisher")}
+        extra["dp_dispatch"] = spec.dispatch
+        return sglang_server.ServerSpec(
+            model_path=spec.model_dir,
+            log_path=spec.work_dir / "sglang.log",
+            shim_dir=sglang_server.cpu_shim_dir(),
+            tree_core=spec.tree_core,
+            dp_size=spec.dp_size,
+            page_size=spec.page_size,
+            max_total_tokens=spec.max_total_tokens,
+            kv_events_extra=extra,
+            extra_args=["--served-model-name", self.model_name, "--enable-cache-report"],
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Rig:
+        """SGLang (in a thread: it is the slow one), the adapter and Motor side by side; then
+        Motor's controller-style registration, and the adapter subscribed to the instance."""
+        began = time.monotonic()
+        failure: list[BaseException] = []
+
+        def start_server() -> None:
+            try:
+                self.server.start(timeout_s=self.spec.start_timeout_s)
+            except BaseException as exc:  # re-raised in the caller's thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=start_server, name="sglang-start", daemon=True)
+        thread.start()
+        try:
+            self._start_adapter()
+            self.coordinator.start()
+            thread.join()
+            if failure:
+                raise failure[0]
+            self.timings["processes_ready_s"] = time.monotonic() - began
+            _mode, role = topology()
+            self.coordinator.add_instance(
+                instance_event(
+                    instance_id=0,
+                    model_name=self.model_name,
+                    http_host="127.0.0.1",
+                    http_port=self.server.spec.http_port,
+                    dp_size=self.spec.dp_size,
+                    role=role,
+                )
+            )
+            self.wait_for(lambda: f"registered {INSTANCE} dp 0" in self.adapter_text(), "Motor's registration")
+            found = f"instance stream with dp_size {self.spec.dp_size}"
+            self.wait_for(lambda: found in self.adapter_text(), "the adapter subscribed to the instance stream")
+        except BaseException:
+            thread.join(timeout=5)
+            self.stop()
+            raise
+        self.timings["ready_s"] = time.monotonic() - began
+        return self
+
+    def _start_adapter(self) -> None:
+        command = [sys.executable, "-m", "motor_adapter.cli", "serve", "--host", "127.0.0.1"]
+        command += ["--port", str(self.adapter_port), "--registry", "memory"]
+        with open(self.adapter_log, "wb") as log:
+            self._adapter = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
+        self.wait_for(lambda: self._adapter_get("/health") is not None, "the adapter's /health")
+
+    def stop(self) -> None:
+        self.coordinator.stop()
+        self.server.stop()
+        adapter, self._adapter = self._adapter, None
+        if adapter is not None and adapter.poll() is None:
+            adapter.terminate()
+            try:
+                adapter.wait(10)
+            except subprocess.TimeoutExpired:
+                adapter.kill()
+                adapter.wait(5)
+
+    def __enter__(self) -> Rig:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ requests
+
+    def complete(self, prompt: str, *, max_tokens: int = 1, timeout_s: float = 600.0) -> Completion:
+        """One ``/v1/completions`` through Motor (one at a time: log lines after its start are its own)."""
+        marks = (len(self.coordinator.log()), len(self.server.log_text()))
+        body = json.dumps({"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        request = urllib.request.Request(
+            self.coordinator.infer_url + "/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        began = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                status, raw = int(response.status), response.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = int(exc.code), exc.read()
+        seconds = time.perf_counter() - began
+        try:
+            answer: Any = json.loads(raw)
+        except ValueError:
+            answer = raw.decode(errors="replace")
+        if status == 200:  # SGLang writes its prefill line just before it answers; wait for it
+            with contextlib.suppress(AssertionError):
+                self.wait_for(lambda: parse_prefills(self.server.log_text()[marks[1] :]), "the prefill line", 10.0)
+        sglang_text = self.server.log_text()[marks[1] :]
+        return Completion(
+            status=status,
+            body=answer,
+            seconds=seconds,
+            scores=parse_scores(self.coordinator.log()[marks[0] :]),
+            prefills=parse_prefills(sglang_text),
+            dispatches=parse_dispatches(sglang_text),
+        )
+
+    def adapter_hit(self, token_ids: list[int]) -> dict[str, Any] | None:
+        """The adapter's /query answer for the instance (what Motor will read), or None."""
+        body = {"model": self.model_name, "block_size": self.spec.page_size, "token_ids": token_ids}
+        answer = self._adapter_post("/query", body)
+        if not isinstance(answer, dict):
+            return None
+        entry = answer.get("default", {}).get(INSTANCE)
+        return entry if isinstance(entry, dict) else None
+
+    def wait_for_hit(self, token_ids: list[int], timeout_s: float = 60.0) -> dict[str, Any]:
+        """Polls the adapter until the instance's hit covers every full block of ``token_ids``."""
+        full = len(token_ids) // self.spec.page_size * self.spec.page_size
+
+        def covered() -> dict[str, Any] | None:
+            entry = self.adapter_hit(token_ids)
+            return entry if entry and int(entry.get("longest_matched", 0)) >= full else None
+
+        entry: dict[str, Any] = self.wait_for(covered, "the adapter's hit on the whole prompt", timeout_s)
+        return entry
+
+    # ------------------------------------------------------------------ logs and HTTP
+
+    def adapter_text(self) -> str:
+        try:
+            return self.adapter_log.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def wait_for(self, check: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+        """Polls ``check`` until truthy (a condition with a deadline); the three log tails on failure."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = check()
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what}: not reached in {timeout_s:.0f} s\n{self.tails()}")
+            time.sleep(0.1)  # polling a condition with a deadline
+
+    def tails(self, lines: int = 25) -> str:
+        parts = [self.server.log_tail(lines)]
+        for name, text in (("motor", self.coordinator.log()), ("adapter", self.adapter_text())):
+            tail = text.splitlines()[-lines:]
+            parts.append(f"--- last {len(tail)} lines of the {name} log ---\n" + "\n".join(tail))
+        return "\n".join(parts)
+
+    def _adapter_get(self, path: str) -> Any:
+        return self._adapter_call(urllib.request.Request(f"http://127.0.0.1:{self.adapter_port}{path}"))
+
+    def _adapter_post(self, path: str, body: Any) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.adapter_port}{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        return self._adapter_call(request)
+
+    @staticmethod
+    def _adapter_call(request: urllib.request.Request) -> Any:
+        """The JSON answer (text if not JSON); None when the adapter does not answer 200."""
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                raw = response.read()
+        except OSError:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw.decode(errors="replace")
+
+
+# --------------------------------------------------------------------------- log lines
+
+
+def parse_scores(text: str) -> list[MotorScore]:
+    """Motor's kv_cache_affinity decisions, each with the adapter answer logged before it."""
+    scores: list[MotorScore] = []
+    answer: Mapping[str, Any] = {}
+    for line in text.splitlines():
+        query = _QUERY.search(line)
+        if query:
+            with contextlib.suppress(ValueError, SyntaxError):
+                answer = ast.literal_eval(query.group(1))  # Motor logs the dict's repr
+            continue
+        select = _SELECT.search(line)
+        if select:
+            instance, endpoint, matched = (int(g) for g in select.groups())
+            scores.append(MotorScore(instance, endpoint, matched, answer))
+            answer = {}
+    return scores
+
+
+def parse_prefills(text: str) -> list[Prefill]:
+    return [Prefill(int(m[0]), int(m[2]), int(m[3])) for m in _PREFILL.findall(text)]
+
+
+def parse_dispatches(text: str) -> list[dict[str, Any]]:
+    """The plugin's per-request dispatch lines (``dp_dispatch policy=... reason=... matched=...``)."""
+    lines = []
+    for policy, rank, reason, isl, matched in _DISPATCH.findall(text):
+        lines.append(
+            {
+                "policy": policy,
+                "dp_rank": int(rank) if rank else None,
+                "reason": reason,
+                "isl": int(isl),
+                "matched": int(matched) if matched.isdigit() else None,
+            }
+        )
+    return lines
+
+
+def prompt_text(seed: int, words: int) -> str:
+    """A deterministic prompt of ``words`` short pseudo-words (distinct per seed)."""
+    import random
+
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(words))
+
+
+def environment_ready() -> list[str]:
+    """What the rig needs that is not installed (empty: everything is)."""
+    import importlib.util
+
+    needed = ("motor", "transformers", *sglang_server.SERVER_MODULES)
+    return [name for name in needed if importlib.util.find_spec(name) is None]
+
+
+if __name__ == "__main__":  # a manual run: python bench/e2e_rig.py WORK_DIR
+    work = Path(sys.argv[1] if len(sys.argv) > 1 else "e2e-run").resolve()
+    rig = Rig(RigSpec(work_dir=work, model_dir=sglang_server.make_model_dir(work / "model")))
+    with rig:
+        long_prompt = prompt_text(1, 1200)
+        for label, text in (("cold", long_prompt), ("hot", long_prompt), ("new", prompt_text(2, 1200))):
+            done = rig.complete(text)
+            print(label, done.status, f"{done.seconds:.2f}s", done.scores, done.prefills, done.dispatches, flush=True)
+            if label == "cold":
+                from transformers import AutoTokenizer
+
+                ids = AutoTokenizer.from_pretrained(str(rig.spec.model_dir))(long_prompt)["input_ids"]
+                print("adapter", rig.wait_for_hit(ids))
