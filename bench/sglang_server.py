@@ -232,6 +232,10 @@ class ServerSpec:
         ]
         if self.device == "cpu":
             cmd += [
+                # float32: "auto" runs this float32 config in float16, which this CPU class has
+                # no fast matmul for (measured: ~0.1 GFLOPS vs ~20 per core in float32).
+                "--dtype",
+                "float32",
                 "--attention-backend",
                 "torch_native",
                 "--sampling-backend",
