@@ -50,8 +50,10 @@ def _token_ids(tokenizer: Any, prompt: str) -> list[int]:
 def test_the_example_motor_config_loads_and_registers_the_instance(rig: e2e_rig.Rig) -> None:
     example = json.loads(Path(e2e_rig.EXAMPLE_CONFIG).read_text(encoding="utf-8"))
     assert rig.model_name == example["motor_engine_prefill_config"]["model_config"]["model_name"]
+    # Motor logs its registration once the adapter answered: after the adapter's own line.
+    registered = f"Register success! {e2e_rig.INSTANCE}"
+    rig.wait_for(lambda: registered in rig.coordinator.log(), registered, 30)
     motor_log = rig.coordinator.log()
-    assert f"Register success! {e2e_rig.INSTANCE}" in motor_log
     sent = [line for line in motor_log.splitlines() if "register_data" in line]
     assert sent and f"tcp://127.0.0.1:{rig.server.spec.kv_port}" in sent[-1] and f"'block_size': {PAGE}" in sent[-1]
     adapter_log = rig.adapter_text()
