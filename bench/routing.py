@@ -106,8 +106,8 @@ from bench._common import with_targets  # noqa: E402
 from motor_adapter.affinity import KvAffinity  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
-from sglang_kvpub.dispatch import CacheAwareDispatcher  # noqa: E402
-from sglang_kvpub.sim_cache import RankCache  # noqa: E402
+from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
+from sglang_kvpub.core.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
 PAGE_SIZE = 128

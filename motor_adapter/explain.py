@@ -14,7 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from motor_adapter.motor import Registration
+    from motor_adapter.registration import Registration
     from motor_adapter.service import AdapterState
 
 __all__ = ["explain", "format_report"]

@@ -58,7 +58,7 @@ _DEFAULT_TOPN = 2  # Motor turns load_gate_topn=0 into 2 at runtime
 
 
 class TierCounts(Protocol):
-    """What scoring needs from a hit: ``sglang_kvpub.index.TierHit`` satisfies it."""
+    """What scoring needs from a hit: ``sglang_kvpub.core.index.TierHit`` satisfies it."""
 
     @property
     def npu_blocks(self) -> int: ...

@@ -37,7 +37,7 @@ from xxhash import xxh3_128_intdigest as _xxh3_128
 
 from motor_adapter import metrics
 from motor_adapter.affinity import KvAffinity, decision_logger
-from motor_adapter.motor import (
+from motor_adapter.registration import (
     DEFAULT_TENANT,
     Registration,
     RegistrationError,
@@ -45,8 +45,8 @@ from motor_adapter.motor import (
     parse_registration,
     parse_unregistration,
 )
-from motor_adapter.registrations import DurableRegistrations
-from motor_adapter.registry_store import open_store
+from motor_adapter.registry.durable import DurableRegistrations
+from motor_adapter.registry.store import open_store
 from motor_adapter.scoring import (
     QUERY_SHAPES,
     Candidate,
@@ -59,8 +59,8 @@ from motor_adapter.scoring import (
     instance_entry,
     select,
 )
-from sglang_kvpub.hashing import chain_hashes, sequence_keys
-from sglang_kvpub.security import RateLimiter
+from sglang_kvpub.core.hashing import chain_hashes, sequence_keys
+from sglang_kvpub.transport.curve import RateLimiter
 
 __all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
 
@@ -1176,7 +1176,7 @@ def _request_labels(path: str, status: int) -> metrics.Labels:
 def build_app(state: AdapterState, registry: DurableRegistrations | None = None) -> web.Application:
     """The HTTP app; ``registry`` defaults to the store ``state.config.registry`` names (memory when unset).
 
-    Raises :class:`~motor_adapter.registry_store.RegistryError` for a registry spec it cannot use.
+    Raises :class:`~motor_adapter.registry.store.RegistryError` for a registry spec it cannot use.
     """
     if registry is None:
         store = open_store(state.config.registry or "memory")

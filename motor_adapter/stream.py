@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import zmq
 
 from sglang_kvpub import wire
-from sglang_kvpub.security import CurveClientKeys, apply_client, client_keys
+from sglang_kvpub.transport.curve import CurveClientKeys, apply_client, client_keys
 
 if TYPE_CHECKING:
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
 
 __all__ = ["StreamHealth", "StreamOptions", "StreamSubscriber"]
 

@@ -16,10 +16,11 @@ import zmq
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import ServiceConfig
 from motor_adapter.stream import StreamOptions, StreamSubscriber
-from sglang_kvpub import security, wire
+from sglang_kvpub import wire
 from sglang_kvpub.config import ConfigError, PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.transport import curve as security
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import Server, http
 

@@ -19,7 +19,7 @@ import zmq
 from motor_adapter import affinity as affinity_module
 from motor_adapter import service
 from motor_adapter.affinity import KvAffinity
-from motor_adapter.motor import MAX_COMPAT_DP
+from motor_adapter.registration import MAX_COMPAT_DP
 from motor_adapter.scoring import ConfigError
 from motor_adapter.service import MAX_STREAMS_ENV, AdapterState, ServiceConfig
 from tests.conftest import free_tcp_endpoint, free_tcp_port

@@ -1,7 +1,7 @@
 """``sglang-kvpub demo``: the originating report's scenario end to end on one machine, no accelerator.
 
 What runs (docs/demo.md explains every line of the output):
-- per prefill instance: N simulated DP ranks (:mod:`sglang_kvpub.simulator`: SGLang's block
+- per prefill instance: N simulated DP ranks (:mod:`sglang_kvpub.tools.simulator`: SGLang's block
   hashes, a finite radix cache with LRU), each with the plugin's real RankPublisher, and the
   plugin's real FanIn serving ONE instance stream (PUB + replay) on free loopback ports;
 - the router side: ``motor-kv-adapter serve`` (the kv-conductor-compatible HTTP service) in a
@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import BUILTIN_EVENTS, Dispatch, EventTypes, SimulatedInstance, sglang_event_types
+from sglang_kvpub.tools.simulator import BUILTIN_EVENTS, Dispatch, EventTypes, SimulatedInstance, sglang_event_types
 from sglang_kvpub.wire import seq_counter
 
 __all__ = ["add_parser", "run", "DemoError"]
@@ -179,7 +179,7 @@ class HttpAdapter:
         for _ in range(3):  # the free port may be taken between our probe and the server's bind
             self.port = _free_port()
             self.url = f"http://127.0.0.1:{self.port}"
-            cmd = [sys.executable, "-m", "motor_adapter.cli", "--log-level", "WARNING", "serve"]
+            cmd = [sys.executable, "-m", "motor_adapter.tools.cli", "--log-level", "WARNING", "serve"]
             cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--registry", "memory"]  # a demo keeps nothing
             self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             self.description = f"motor-kv-adapter serve on {self.url} (subprocess pid {self._proc.pid})"

@@ -7,7 +7,7 @@ non-blocking system call from the publishing thread and the fan-in thread polls 
 connections itself.  Endpoint form: ``unixpkt://<path>``, the default on one node
 (:func:`channel.default_channel_endpoint`); ``ipc://`` and ``tcp://`` stay ZMQ.
 
-Packets: a flag byte, then the channel message of :mod:`sglang_kvpub.channel` (or a piece
+Packets: a flag byte, then the channel message of :mod:`sglang_kvpub.transport.channel` (or a piece
 of it).  A message of up to ``PACKET_BYTES`` is one packet (``WHOLE``); a bigger one is
 cut into ``MORE`` packets and a final ``LAST`` one, reassembled per connection (at most
 ``MAX_MESSAGE_BYTES``).  SEQPACKET keeps packet boundaries and order on a connection.
@@ -41,7 +41,7 @@ import socket
 import time
 from collections.abc import Iterator
 
-from sglang_kvpub.channel import MAX_MESSAGE_BYTES, PACKET_SCHEME, channel_prefix
+from sglang_kvpub.transport.channel import MAX_MESSAGE_BYTES, PACKET_SCHEME, channel_prefix
 from sglang_kvpub.wire import WireError
 
 __all__ = [

@@ -32,13 +32,13 @@ gap in this rank's sequence.  A PUSH that would block (fan-in gone, HWM reached)
 dropped and counted the same way.  Each publisher picks a random 64-bit rank epoch at
 start so the fan-in recognises a restarted rank.  When a rank is idle, the sender sends
 a rank heartbeat (empty payload) every ``heartbeat_s`` so the fan-in can report dead ranks.
-On the default single-node channel (``unixpkt://``, :mod:`sglang_kvpub.packet_channel`)
+On the default single-node channel (``unixpkt://``, :mod:`sglang_kvpub.transport.packet_channel`)
 there is no ZMQ at all: the send is one non-blocking system call, and what the socket
 cannot take waits in the pusher's ordered backlog (bounded by ``hwm``), which the sender
 thread moves on.
 
 Fan-in restarts.  On the packet channel the pusher itself sees the fan-in's end of file
-and reconnects; a connection that needs a resync (see :mod:`sglang_kvpub.packet_channel`)
+and reconnects; a connection that needs a resync (see :mod:`sglang_kvpub.transport.packet_channel`)
 counts in :meth:`PacketPusher.reconnections`.  On ZMQ channels a socket monitor on the
 PUSH socket reports each completed connection handshake with the fan-in's PULL: the first
 is the normal start; any later one means a new fan-in process (or a broken connection
@@ -66,9 +66,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from sglang_kvpub.channel import PACKET_SCHEME, ChannelPusher
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.packet_channel import RETRY_S, PacketPusher
+from sglang_kvpub.transport.channel import PACKET_SCHEME, ChannelPusher
+from sglang_kvpub.transport.packet_channel import RETRY_S, PacketPusher
 from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, enrich_batch
 
 __all__ = ["INLINE_MAX_EVENTS", "RankPublisher", "take_resync_request"]

@@ -1,7 +1,7 @@
 """A built-in simulator of one SGLang DP rank's prefix cache and the KV events it publishes.
 
 The demo (``sglang-kvpub demo``) runs an instance of N such ranks without an accelerator.
-Each rank is a page-granular radix cache model (:class:`sglang_kvpub.sim_cache.RankCache`:
+Each rank is a page-granular radix cache model (:class:`sglang_kvpub.core.sim_cache.RankCache`:
 finite HBM in pages, LRU eviction of unreferenced leaves) and reports what a real SGLang
 0.5.23 rank reports for the same prefill:
 
@@ -30,9 +30,9 @@ from typing import Any
 import zmq
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.rank_publisher import RankPublisher
-from sglang_kvpub.sim_cache import RankCache
+from sglang_kvpub.core.sim_cache import RankCache
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
 from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = [
@@ -126,7 +126,7 @@ class PrefillResult:
 class SimulatedRank:
     """One DP rank: a finite radix cache in HBM that emits SGLang-shaped KV events.
 
-    ``publish`` (e.g. :meth:`sglang_kvpub.rank_publisher.RankPublisher.publish`) receives
+    ``publish`` (e.g. :meth:`sglang_kvpub.publish.rank_publisher.RankPublisher.publish`) receives
     every non-empty batch, as SGLang's scheduler hands batches to its publisher after a
     prefill. Not thread-safe: one scheduler drives one rank.
     """
@@ -227,8 +227,8 @@ class Dispatch:
 
 class SimulatedInstance:
     """One SGLang instance with the plugin: N simulated ranks, each with its own
-    :class:`~sglang_kvpub.rank_publisher.RankPublisher` (own PUSH socket and thread) on the
-    internal channel, and one :class:`~sglang_kvpub.fanin.FanIn` serving the instance stream
+    :class:`~sglang_kvpub.publish.rank_publisher.RankPublisher` (own PUSH socket and thread) on the
+    internal channel, and one :class:`~sglang_kvpub.publish.fanin.FanIn` serving the instance stream
     (PUB + replay ROUTER) - the plugin's real code; only the scheduler is simulated.
 
     Ranks run in the caller's process (a thread per publisher), not in processes as under

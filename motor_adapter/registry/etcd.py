@@ -42,8 +42,8 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal, Union
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from motor_adapter.etcd_gateway import EtcdError, EtcdGateway, KeyValue, WatchEvent
-from motor_adapter.registry_store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
+from motor_adapter.registry.etcd_gateway import EtcdError, EtcdGateway, KeyValue, WatchEvent
+from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
 
 __all__ = ["DEFAULT_PREFIX", "EtcdStore"]
 

@@ -35,7 +35,7 @@ from typing import Any, Union
 
 import msgspec
 
-from motor_adapter.registry_store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
+from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
 
 __all__ = ["FORMAT", "VERSION", "FileStore", "read_state_file"]
 

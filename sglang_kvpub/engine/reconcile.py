@@ -41,9 +41,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sglang_kvpub import guard, tree_cores
-from sglang_kvpub.rank_publisher import take_resync_request
-from sglang_kvpub.release_hooks import (
+from sglang_kvpub.engine import guard, tree_cores
+from sglang_kvpub.engine.release_hooks import (
     Tracker,
     _event_classes,
     _sglang_medium,
@@ -55,6 +54,7 @@ from sglang_kvpub.release_hooks import (
     tracker_of,
     tree_of,
 )
+from sglang_kvpub.publish.rank_publisher import take_resync_request
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 __all__ = [

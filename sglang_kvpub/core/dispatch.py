@@ -3,13 +3,13 @@
 SGLang's DataParallelController sends a request without an explicit rank round-robin (or
 by load), so a hot prefix lands on the rank that holds it only 1/N of the time.  The
 controller process also runs the fan-in, which sees every rank's KV events: this module
-keeps a :class:`~sglang_kvpub.index.PrefixIndex` of them and sends each request to the
+keeps a :class:`~sglang_kvpub.core.index.PrefixIndex` of them and sends each request to the
 rank with the lowest Motor-style cost::
 
     matched_r = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
     cost_r    = prefill_load_scale * max(0, isl - overlap_credit * matched_r) + load_weight * load_r
 
-with the router's block keys (:mod:`sglang_kvpub.hashing`), so a rank the router thinks
+with the router's block keys (:mod:`sglang_kvpub.core.hashing`), so a rank the router thinks
 holds a prefix is the rank this dispatcher picks.  Hot-spot guard: when the chosen rank's
 load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
 hotspot_relative * mean load)``, the least loaded candidate wins instead (reason
@@ -43,9 +43,9 @@ from typing import Any
 
 import msgspec
 
-from sglang_kvpub import guard
-from sglang_kvpub.hashing import BASE_SEED, lora_seed, tokens_u32
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.hashing import BASE_SEED, lora_seed, tokens_u32
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.engine import guard
 from sglang_kvpub.wire import AllBlocksCleared, BatchDecoder, BlockStored, Event, EventBatch, WireError
 
 __all__ = [
@@ -397,7 +397,7 @@ class CacheAwareDispatcher:
 def feed_from_fanin(fanin: Any, dispatcher: CacheAwareDispatcher) -> str:
     """Feeds every rank batch the fan-in forwards to ``dispatcher``; returns how.
 
-    ``"observer"``: the FanIn's :meth:`~sglang_kvpub.fanin.FanIn.add_observer`, which is
+    ``"observer"``: the FanIn's :meth:`~sglang_kvpub.publish.fanin.FanIn.add_observer`, which is
     called from the one per-message step every path takes (internal channel of either
     kind, and ``ingest``).  Payloads are decoded once more here (the fan-in forwards them
     undecoded); a rank restart clears the rank.  A batch that does not decode is counted

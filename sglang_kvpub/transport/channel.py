@@ -4,12 +4,12 @@ One single-frame message per rank batch: ``MAGIC | dp_rank u32 | rank_epoch u64 
 rank_seq u64 | payload`` (big-endian 26-byte prefix) with ``payload`` an encoded,
 enriched batch.  An empty payload is a rank heartbeat: liveness only, never forwarded,
 but it takes a rank_seq so loss stays detectable.  One frame, not three: the fan-in
-reads it with one backend ``recv`` and no ``RCVMORE`` query (:mod:`sglang_kvpub.zmq_io`);
+reads it with one backend ``recv`` and no ``RCVMORE`` query (:mod:`sglang_kvpub.transport.zmq_io`);
 a multipart message from a foreign peer is read frame by frame and each frame fails the
 magic check (counted as malformed).
 
 On one node the channel is a Unix SEQPACKET socket (``unixpkt://``, see
-:mod:`sglang_kvpub.packet_channel`; ZMQ ipc where that socket type does not exist) in a
+:mod:`sglang_kvpub.transport.packet_channel`; ZMQ ipc where that socket type does not exist) in a
 private directory (mode 0700, under ``$XDG_RUNTIME_DIR`` or the temp dir) whose socket
 name both sides derive from an instance key (the instance PUB endpoint), so ranks and
 fan-in agree without any extra setting.  Multi-node DP uses ``internal_channel =
@@ -32,8 +32,8 @@ from typing import Any
 import zmq
 
 from sglang_kvpub.config import PACKET_SCHEME, PluginConfig
+from sglang_kvpub.transport.zmq_io import NOBLOCK, send_frame
 from sglang_kvpub.wire import WireError
-from sglang_kvpub.zmq_io import NOBLOCK, send_frame
 
 __all__ = [
     "MAGIC",
@@ -107,7 +107,7 @@ def private_dir() -> Path:
 
 
 def default_channel_endpoint(instance_key: str) -> str:
-    """``unixpkt://<private dir>/<hash of instance_key>.pkt`` (:mod:`sglang_kvpub.packet_channel`),
+    """``unixpkt://<private dir>/<hash of instance_key>.pkt`` (:mod:`sglang_kvpub.transport.packet_channel`),
     or ZMQ's ``ipc://<private dir>/<hash>.sock`` where Unix SEQPACKET sockets do not exist;
     every process computes the same."""
     digest = hashlib.sha256(instance_key.encode("utf-8")).hexdigest()[:20]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from sglang_kvpub import tree_cores
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.engine import tree_cores
 
 __all__ = ["add_parser", "run", "report"]
 
@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def report(kv_events_config: str, *, device: str, dp_size: int = 1, nnodes: int = 1) -> dict[str, object]:
     """The validated settings and the tree core's guarantees; raises ConfigError."""
-    from sglang_kvpub.plugin import validate_launch
+    from sglang_kvpub.engine.plugin import validate_launch
 
     config = validate_launch(kv_events_config, num_dp_ranks=dp_size, nnodes=nnodes, version=(0, 5, 23))
     core = tree_cores.predict_core(device)

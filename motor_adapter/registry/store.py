@@ -8,9 +8,9 @@ body would be), keyed like the service keys them: ``(tenant, model, instance_id,
 
 Backends, chosen by ``--registry`` (or env ``MOTOR_KV_ADAPTER_REGISTRY``):
 
-* ``file:PATH`` - :mod:`motor_adapter.registry_file`: one local JSON file, atomic replace
+* ``file:PATH`` - :mod:`motor_adapter.registry.file`: one local JSON file, atomic replace
   (the default, under ``$XDG_STATE_HOME/motor-kv-adapter/``);
-* ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` - :mod:`motor_adapter.registry_etcd`: shared by
+* ``etcd://HOST:PORT[,HOST:PORT...]/PREFIX`` - :mod:`motor_adapter.registry.etcd`: shared by
   replicas, each of which watches the prefix;
 * ``memory`` - nothing outlives the process (tests, development).
 """
@@ -174,7 +174,7 @@ def open_store(spec: str, *, options: Union[Mapping[str, Any], None] = None) -> 
     if text == "memory":
         return MemoryStore()
     if text.startswith("file:"):
-        from motor_adapter.registry_file import FileStore
+        from motor_adapter.registry.file import FileStore
 
         path = text[len("file:") :]
         if path.startswith("//"):  # file:///abs/path
@@ -183,7 +183,7 @@ def open_store(spec: str, *, options: Union[Mapping[str, Any], None] = None) -> 
             raise RegistryError(f"--registry {spec!r}: no path; write file:/var/lib/motor-kv-adapter/reg.json")
         return FileStore(Path(path).expanduser())
     if text.startswith("etcd://"):
-        from motor_adapter.registry_etcd import EtcdStore
+        from motor_adapter.registry.etcd import EtcdStore
 
         return EtcdStore.from_url(text, **options)
     raise RegistryError(

@@ -1,7 +1,7 @@
 """Registrations that outlive the process: write-through, restore at start, replicas' changes.
 
 :class:`DurableRegistrations` sits between the HTTP handlers and a
-:class:`~motor_adapter.registry_store.RegistryStore`:
+:class:`~motor_adapter.registry.store.RegistryStore`:
 
 * after each successful ``/register`` the body is written through (bounded wait: the
   answer says ``"durable": false`` with a warning when the store did not take it in time;
@@ -33,8 +33,8 @@ from typing import Any, Union
 import msgspec
 
 from motor_adapter import metrics
-from motor_adapter.motor import Registration, RegistrationError, Unregistration, parse_registration
-from motor_adapter.registry_store import Change, Record, RegistryStore, RegKey, StoreUnavailable
+from motor_adapter.registration import Registration, RegistrationError, Unregistration, parse_registration
+from motor_adapter.registry.store import Change, Record, RegistryStore, RegKey, StoreUnavailable
 
 __all__ = ["DurableRegistrations", "MAX_STORED_BODY"]
 

@@ -9,7 +9,7 @@ an empty batch (``dp_rank`` None) goes out too; heartbeats take seqs and sit in 
 replay buffer like any batch, so seqs stay contiguous.  The first heartbeat is sent at
 ``start()``, so a snapshot always has a seq to refer to.
 
-Ranks.  Batches arrive on the internal channel (:mod:`sglang_kvpub.channel`) or through
+Ranks.  Batches arrive on the internal channel (:mod:`sglang_kvpub.transport.channel`) or through
 :meth:`FanIn.ingest` (the sidecar).  Per rank the fan-in checks ``rank_seq``: a jump is a
 gap (counted, logged), an old seq a duplicate (counted, dropped).  A new ``rank_epoch``
 is a restarted rank: the fan-in emits ``AllBlocksCleared`` for that rank first, so
@@ -42,7 +42,7 @@ one lock and each rank's order is the order of its calls.
 
 Hot path (internal channel): a burst of messages is handled under one lock acquisition.
 Each payload from our own rank publishers is decoded only structurally (token ids stay
-msgpack bytes, see :class:`~sglang_kvpub.residency.RawBatch`) and checked; then the
+msgpack bytes, see :class:`~sglang_kvpub.core.residency.RawBatch`) and checked; then the
 burst's payloads are published as they are, back to back (one ZMQ I/O-thread wake-up per
 burst rather than per batch); then their residency updates are applied - and before
 anything else reads residency (snapshot, stats, a rank restart).  Token ids are not
@@ -66,17 +66,18 @@ from typing import Any
 import msgspec
 import zmq
 
-from sglang_kvpub.channel import (
+from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
+from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
     ChannelPuller,
     default_channel_endpoint,
     parse_channel_message,
     resolve_channel_endpoint,
 )
-from sglang_kvpub.config import PluginConfig, should_bind
-from sglang_kvpub.packet_channel import PacketListener
-from sglang_kvpub.residency import RankResidency, raw_batch_decoder
-from sglang_kvpub.security import apply_server, server_keys_from_files, start_authenticator
+from sglang_kvpub.transport.curve import apply_server, server_keys_from_files, start_authenticator
+from sglang_kvpub.transport.packet_channel import PacketListener
+from sglang_kvpub.transport.zmq_io import MORE_NOBLOCK, NOBLOCK, recv_frame, send_frame
 from sglang_kvpub.wire import (
     AllBlocksCleared,
     BatchDecoder,
@@ -92,7 +93,6 @@ from sglang_kvpub.wire import (
     replay_reply_frames,
     seq_epoch,
 )
-from sglang_kvpub.zmq_io import MORE_NOBLOCK, NOBLOCK, recv_frame, send_frame
 
 __all__ = ["FanIn", "RankState", "default_channel_endpoint"]
 

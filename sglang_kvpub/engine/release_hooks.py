@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from sglang_kvpub import guard
+from sglang_kvpub.engine import guard
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 __all__ = [

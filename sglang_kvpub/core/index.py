@@ -3,7 +3,7 @@
 Shared core (no SGLang, no torch): the router's ``motor_adapter`` and the in-instance
 dispatcher both use it.
 
-Keys.  A block's key is its chained content hash (:mod:`sglang_kvpub.hashing`): the local
+Keys.  A block's key is its chained content hash (:mod:`sglang_kvpub.core.hashing`): the local
 XXH3-64 (seed 1337, shifted by ``lora_seed(event.lora_name)``) of its token ids, chained
 from the parent's key; a block without parent hangs under the seed.  ``cache_salt`` and
 ``lora_id`` are not part of the key (a query cannot know them).  The engine's block hash
@@ -51,6 +51,8 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
+from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+
 from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chaining
     BASE_SEED,
     _pack_u64,
@@ -60,7 +62,6 @@ from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chain
     sequence_keys,
     tokens_u32,
 )
-from .wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
 __all__ = [
     "TIER_NPU",

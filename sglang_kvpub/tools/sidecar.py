@@ -2,7 +2,7 @@
 
 For SGLang versions whose DP controller loads no plugin: SUB-connect to each rank's own
 stream (``rank_base`` port + rank), decode whatever shape that SGLang writes, and feed the
-same :class:`~sglang_kvpub.fanin.FanIn` the plugin uses, so the instance stream, replay
+same :class:`~sglang_kvpub.publish.fanin.FanIn` the plugin uses, so the instance stream, replay
 and snapshot are identical.
 
 Per rank the sidecar follows SGLang's own seq: a jump is replayed from the rank's replay
@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from sglang_kvpub.config import ConfigError, PluginConfig, offset_endpoint
-from sglang_kvpub.fanin import FanIn
+from sglang_kvpub.publish.fanin import FanIn
 from sglang_kvpub.wire import (
     BatchDecoder,
     EventBatch,
