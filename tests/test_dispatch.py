@@ -24,9 +24,9 @@ from sglang_kvpub.core.dispatch import (
     REASON_SHORT_PROMPT,
     CacheAwareDispatcher,
     InflightLoad,
-    feed_from_fanin,
 )
 from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.engine.dispatch_hook import feed_from_fanin
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 TESTS = Path(__file__).resolve().parent

@@ -9,13 +9,8 @@ from typing import Any
 
 import pytest
 
-from motor_adapter.registration import (
-    Finding,
-    RegistrationError,
-    check_config,
-    parse_registration,
-    parse_unregistration,
-)
+from motor_adapter.config_check import Finding, check_config
+from motor_adapter.registration import RegistrationError, parse_registration, parse_unregistration
 from motor_adapter.service import ServiceConfig
 from motor_adapter.tools.cli import main
 

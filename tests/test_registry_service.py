@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import zmq
 
-from motor_adapter.registration import check_config
+from motor_adapter.config_check import check_config
 from motor_adapter.registry.durable import DurableRegistrations
 from motor_adapter.registry.file import FileStore
 from motor_adapter.registry.store import Record

@@ -13,13 +13,13 @@ import pytest
 
 from motor_adapter.registry.etcd import EtcdStore
 from motor_adapter.registry.file import FORMAT, VERSION, FileStore
+from motor_adapter.registry.spec import open_store
 from motor_adapter.registry.store import (
     MemoryStore,
     Record,
     RegistryError,
     default_registry_spec,
     default_state_file,
-    open_store,
 )
 from motor_adapter.tools.register_cli import motor_body
 

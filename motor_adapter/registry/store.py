@@ -6,7 +6,8 @@ every registration as the ``/register`` body that created it (re-read through th
 parser at start, so a restored registration is exactly what a new ``/register`` of that
 body would be), keyed like the service keys them: ``(tenant, model, instance_id, dp_rank)``.
 
-Backends, chosen by ``--registry`` (or env ``MOTOR_KV_ADAPTER_REGISTRY``):
+Backends, chosen by ``--registry`` (or env ``MOTOR_KV_ADAPTER_REGISTRY``), opened by
+:func:`motor_adapter.registry.spec.open_store`:
 
 * ``file:PATH`` - :mod:`motor_adapter.registry.file`: one local JSON file, atomic replace
   (the default, under ``$XDG_STATE_HOME/motor-kv-adapter/``);
@@ -35,7 +36,6 @@ __all__ = [
     "StoreUnavailable",
     "default_state_file",
     "default_registry_spec",
-    "open_store",
     "replica_id",
 ]
 
@@ -165,28 +165,3 @@ def default_registry_spec(port: int, env: Union[Mapping[str, str], None] = None)
 def replica_id() -> str:
     """``host-pid-nonce``: tells the writers of a shared store apart, across restarts too."""
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-
-
-def open_store(spec: str, *, options: Union[Mapping[str, Any], None] = None) -> RegistryStore:
-    """The store ``spec`` names (not opened yet). Raises :class:`RegistryError` for a bad spec."""
-    options = dict(options or {})
-    text = spec.strip()
-    if text == "memory":
-        return MemoryStore()
-    if text.startswith("file:"):
-        from motor_adapter.registry.file import FileStore
-
-        path = text[len("file:") :]
-        if path.startswith("//"):  # file:///abs/path
-            path = path[2:]
-        if not path:
-            raise RegistryError(f"--registry {spec!r}: no path; write file:/var/lib/motor-kv-adapter/reg.json")
-        return FileStore(Path(path).expanduser())
-    if text.startswith("etcd://"):
-        from motor_adapter.registry.etcd import EtcdStore
-
-        return EtcdStore.from_url(text, **options)
-    raise RegistryError(
-        f"--registry {spec!r} is not understood; use file:PATH (durable, local), "
-        "etcd://HOST:PORT/PREFIX (shared by replicas) or memory (nothing survives a restart)"
-    )

@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    from motor_adapter.registration import check_config, load_config_file
+    from motor_adapter.config_check import check_config, load_config_file
 
     try:
         config = load_config_file(args.file)

@@ -49,7 +49,7 @@ def motor_body(config: Mapping[str, Any], ip: str, instance_id: str, endpoint_id
     ``endpoint`` key, ``type`` always ``vLLM``, ``block_size`` from the engine's ``block-size``
     (never ``page-size``, never the conductor section), ``modelname`` the instance's model name.
     """
-    from motor_adapter.registration import _engine_args, _find_engine, _kv_events
+    from motor_adapter.config_check import _engine_args, _find_engine, _kv_events
 
     engine_key, engine = _find_engine(config)
     args = _engine_args(engine)

@@ -62,6 +62,7 @@ from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chain
     sequence_keys,
     tokens_u32,
 )
+from .tiers import TIER_CPU, TIER_DISK, TIER_NPU, TIERS, TierHit, tier_of_medium
 
 __all__ = [
     "TIER_NPU",
@@ -77,57 +78,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TIER_NPU, TIER_CPU, TIER_DISK = "npu", "cpu", "disk"
-TIERS = (TIER_NPU, TIER_CPU, TIER_DISK)
 _U64 = (1 << 64) - 1
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
 _PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
 
-# Names seen from SGLang, vLLM, LMCache and Motor's conductor configuration.
-_MEDIUM_TIERS = {
-    "gpu": TIER_NPU,
-    "npu": TIER_NPU,
-    "xpu": TIER_NPU,
-    "hbm": TIER_NPU,
-    "device": TIER_NPU,
-    "cpu": TIER_CPU,
-    "cpu_pinned": TIER_CPU,
-    "host": TIER_CPU,
-    "memory": TIER_CPU,
-    "disk": TIER_DISK,
-    "external": TIER_DISK,
-    "ssd": TIER_DISK,
-    "nvme": TIER_DISK,
-    "nof_ssd": TIER_DISK,
-    "dfs": TIER_DISK,
-}
 _TIER_INDEX = {TIER_NPU: 0, TIER_CPU: 1, TIER_DISK: 2}
-
-
-def tier_of_medium(medium: str | None) -> str:
-    """The tier of an event's medium (case-insensitive).
-
-    ``None`` is device memory (engines before SGLang 0.5.9 only published HBM).  An unknown
-    medium name maps to ``disk``: it is surely not HBM (every engine calls HBM ``GPU``), and
-    the lowest tier never overstates a hit (Motor weighs disk 0 by default).
-    """
-    if medium is None:
-        return TIER_NPU
-    return _MEDIUM_TIERS.get(medium.lower(), TIER_DISK)
-
-
-@dataclass(frozen=True)
-class TierHit:
-    """Blocks of a prompt one rank holds: NPU prefix, then CPU, then disk continuation."""
-
-    npu_blocks: int
-    cpu_blocks: int
-    disk_blocks: int
-
-    @property
-    def total_blocks(self) -> int:
-        return self.npu_blocks + self.cpu_blocks + self.disk_blocks
 
 
 @dataclass

@@ -116,8 +116,9 @@ def _tokens_of(entry: bytes) -> list[int]:
 
 
 # ----------------------------------------------------------------------- fast decode
-# Mirrors of wire.BlockStored/BlockRemoved/AllBlocksCleared/EventBatch (same tags, fields
-# and defaults) except that ``token_ids`` stays undecoded msgpack.
+# The wire's own event structs, except a store: ``RawStored`` mirrors wire.BlockStored (same
+# tag, fields and defaults) with ``token_ids`` left undecoded msgpack.  Removals and clears
+# decode straight into wire.BlockRemoved / wire.AllBlocksCleared.
 
 
 class RawStored(msgspec.Struct, tag="BlockStored", gc=False):
@@ -132,15 +133,8 @@ class RawStored(msgspec.Struct, tag="BlockStored", gc=False):
     session_id: Union[str, None] = None
 
 
-class RawRemoved(msgspec.Struct, tag="BlockRemoved", gc=False):
-    block_hashes: list[int]
-    medium: Union[str, None] = None
-
-
-class RawCleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
-    pass
-
-
+RawRemoved = BlockRemoved  # names kept for callers; one struct per event kind
+RawCleared = AllBlocksCleared
 RawEvent = Union[RawStored, RawRemoved, RawCleared]
 
 
@@ -182,9 +176,9 @@ class RankResidency:
             self._store_raw(event)  # type: ignore[arg-type]
         elif kind is BlockStored:
             self._store(event)  # type: ignore[arg-type]
-        elif kind is BlockRemoved or kind is RawRemoved:
+        elif kind is BlockRemoved:
             self._remove(event)  # type: ignore[arg-type]
-        elif kind is AllBlocksCleared or kind is RawCleared:
+        elif kind is AllBlocksCleared:
             self.clear()
 
     def apply_all(self, events: Iterable[Event | RawEvent]) -> None:
@@ -256,7 +250,7 @@ class RankResidency:
                 self._extras.pop((medium, block_hash), None)
             parent = block_hash
 
-    def _remove(self, event: BlockRemoved | RawRemoved) -> None:
+    def _remove(self, event: BlockRemoved) -> None:
         medium = event.medium or self.default_medium
         blocks = self._media.get(medium)
         for block_hash in event.block_hashes:

@@ -128,7 +128,7 @@ def _register_runtime_hooks(registry: Any, hook_type: Any) -> None:
         _runtime_registered.add(target)
     _register_release_hooks(registry)
     if CONTROLLER_MODULE in sys.modules:
-        from sglang_kvpub.core.dispatch import install_dispatch_hook
+        from sglang_kvpub.engine.dispatch_hook import install_dispatch_hook
 
         install_dispatch_hook(registry, hook_type)  # idempotent; inert until attach_dispatcher
 
@@ -412,7 +412,7 @@ def _attach_dispatch(controller: Any, kv_events_config: str | None, topology: An
         if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch != "cache_aware":
             log.info('sglang_kvpub: dp_dispatch "default": SGLang\'s --load-balance-method dispatches')
             return
-        from sglang_kvpub.core.dispatch import attach_dispatcher
+        from sglang_kvpub.engine.dispatch_hook import attach_dispatcher
 
         topology = topology or sglang_compat.controller_topology()
         attach_dispatcher(controller, block_size=topology.block_size, fanin=fanin)

@@ -35,6 +35,7 @@ __all__ = [
     "version_text",
     "check_supported",
     "hook_api",
+    "kv_events_module",
     "raw_num_dp_ranks",
     "scheduler_topology",
     "controller_topology",
@@ -118,6 +119,16 @@ def hook_api() -> tuple[Any, Any]:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     return HookRegistry, HookType
+
+
+def kv_events_module() -> Any:
+    """SGLang's ``sglang.srt.disaggregation.kv_events`` (its KVEventBatch, BlockStored...) when
+    SGLang imports on this machine (slow: seconds), else None."""
+    try:
+        from sglang.srt.disaggregation import kv_events
+    except Exception:  # not installed, or its imports fail on this machine
+        return None
+    return kv_events
 
 
 def raw_num_dp_ranks(args: Any) -> int:

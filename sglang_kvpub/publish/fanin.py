@@ -55,19 +55,20 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
 from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
+from sglang_kvpub.publish.replay_server import Job, ReplayServer
 from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
     ChannelPuller,
@@ -82,16 +83,11 @@ from sglang_kvpub.wire import (
     AllBlocksCleared,
     BatchDecoder,
     BatchEncoder,
-    Event,
     EventBatch,
     WireError,
     encode_seq,
     enrich_batch,
     make_seq,
-    parse_replay_request,
-    replay_end_frames,
-    replay_reply_frames,
-    seq_epoch,
 )
 
 __all__ = ["FanIn", "RankState", "default_channel_endpoint"]
@@ -99,9 +95,6 @@ __all__ = ["FanIn", "RankState", "default_channel_endpoint"]
 log = logging.getLogger(__name__)
 
 EPOCH_LIMIT = 1 << 23
-_MAX_JOBS = 64
-_JOB_STALL_S = 30.0  # a replay client that reads nothing for this long is dropped
-_SLICE_MESSAGES = 32
 _CHANNEL_BURST = 512
 _PUBLISH_RUN = 32  # a long burst is published in runs: its first batches do not wait for the rest
 
@@ -121,28 +114,7 @@ class RankState:
     alive: bool = False
 
 
-class _Job:
-    """One replay/snapshot reply being streamed; ``pending`` is a message the ROUTER refused."""
-
-    def __init__(self, identity: bytes, items: Iterator[tuple[int, bytes]]) -> None:
-        self.identity = identity
-        self.items = items
-        self.pending: tuple[list[bytes], bool] | None = None
-        self.done = False
-        self.stalled_since: float | None = None  # when the client stopped reading
-
-
-class _RateLog:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, message: str, *args: Any) -> None:
-        self.count += 1
-        if self.count <= 10 or self.count % 1000 == 0:
-            log.warning(message + " (occurrence %d)", *args, self.count)
-
-
-class FanIn:
+class FanIn(ReplayServer):
     def __init__(
         self,
         config: PluginConfig,
@@ -180,7 +152,7 @@ class FanIn:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._ranks: dict[int, RankState] = {}
         self._residency: dict[int, RankResidency] = {}
-        self._jobs: list[_Job] = []
+        self._jobs: list[Job] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pub: zmq.Socket[bytes] | None = None
@@ -190,8 +162,7 @@ class FanIn:
         self._next_beat = self._next_liveness = 0.0  # loop timers (monotonic)
         self.pub_connects = False  # the PUB connects instead of binding (said in the start line)
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
-        self._log_malformed = _RateLog()
-        self._log_gap = _RateLog()
+        self._rlog = RateLimitedLog(log, interval_s=None)  # first ten, then every thousandth
         self._counts = collections.Counter[str]()
 
     # ------------------------------------------------------------------ lifecycle
@@ -294,7 +265,7 @@ class FanIn:
                     on_batch(dp_rank, item)
                 except Exception as exc:
                     self._counts["observer_errors"] += 1
-                    self._log_malformed("kvpub fan-in: observer failed on rank %d: %r", dp_rank, exc)
+                    self._rlog.warning("malformed", "kvpub fan-in: observer failed on rank %d: %r", dp_rank, exc)
 
     # ------------------------------------------------------------------ ingest
 
@@ -325,7 +296,9 @@ class FanIn:
         residency update."""
         if not 0 <= dp_rank < self.dp_size:  # state is kept per rank: never per network-chosen key
             self._counts["malformed"] += 1
-            self._log_malformed("kvpub fan-in: dp_rank %d outside dp_size %d; batch dropped", dp_rank, self.dp_size)
+            self._rlog.warning(
+                "malformed", "kvpub fan-in: dp_rank %d outside dp_size %d; batch dropped", dp_rank, self.dp_size
+            )
             return
         if not self._track(dp_rank, rank_epoch, rank_seq, wall, mono):
             return
@@ -359,7 +332,9 @@ class FanIn:
                     self._residency_of(dp_rank).apply_all(events)
                 except Exception as exc:  # a rank's bad input must never stop the fan-in loop
                     self._counts["malformed"] += 1
-                    self._log_malformed("kvpub fan-in: rank %d batch not applied to residency: %s", dp_rank, exc)
+                    self._rlog.warning(
+                        "malformed", "kvpub fan-in: rank %d batch not applied to residency: %s", dp_rank, exc
+                    )
 
     def _decode_rank_payload(self, dp_rank: int, payload: bytes) -> tuple[list[Any], bytes] | None:
         """``(events, payload to publish)``, or None for a malformed payload (counted)."""
@@ -379,7 +354,7 @@ class FanIn:
                 batch = self._decoder.decode(payload)
             except WireError as exc:
                 self._counts["malformed"] += 1
-                self._log_malformed("kvpub fan-in: rank %d sent a malformed payload: %s", dp_rank, exc)
+                self._rlog.warning("malformed", "kvpub fan-in: rank %d sent a malformed payload: %s", dp_rank, exc)
                 return None
         forwarded = bytes(payload) if batch.dp_rank == dp_rank else self._encode(batch, dp_rank)
         return batch.events, forwarded
@@ -421,7 +396,9 @@ class FanIn:
             if missing > 0:
                 state.gaps += missing
                 state.gap_events += 1
-                self._log_gap("kvpub fan-in: rank %d lost %d batch(es) before rank_seq %d", dp_rank, missing, rank_seq)
+                self._rlog.warning(
+                    "gap", "kvpub fan-in: rank %d lost %d batch(es) before rank_seq %d", dp_rank, missing, rank_seq
+                )
         state.last_rank_seq = rank_seq
         state.batches += 1
         state.last_seen = wall
@@ -446,7 +423,9 @@ class FanIn:
                     on_restart(dp_rank)
                 except Exception as exc:
                     self._counts["observer_errors"] += 1
-                    self._log_malformed("kvpub fan-in: observer failed on rank %d restart: %r", dp_rank, exc)
+                    self._rlog.warning(
+                        "malformed", "kvpub fan-in: observer failed on rank %d restart: %r", dp_rank, exc
+                    )
         clear = EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)
         self._outbox.append(self._encoder.encode(clear))  # before the new epoch's first batch
         self._counts["rank_restarts"] += 1
@@ -583,7 +562,7 @@ class FanIn:
             dp_rank, rank_epoch, rank_seq, payload = parse_channel_message(message)
         except WireError as exc:
             self._counts["malformed"] += 1
-            self._log_malformed("kvpub fan-in: malformed internal message: %s", exc)
+            self._rlog.warning("malformed", "kvpub fan-in: malformed internal message: %s", exc)
             return False
         self._forward(dp_rank, rank_epoch, rank_seq, payload, wall, mono)
         if len(self._outbox) >= _PUBLISH_RUN:
@@ -601,113 +580,6 @@ class FanIn:
                         dp_rank,
                         now - state.last_seen_mono,
                     )
-
-    # ------------------------------------------------------------------ replay / snapshot
-
-    def _drain_requests(self, router: zmq.Socket[bytes]) -> None:
-        for _ in range(16):
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                identity, start_seq, snapshot = parse_replay_request(frames)
-            except WireError as exc:
-                self._counts["bad_requests"] += 1
-                self._log_malformed("kvpub fan-in: bad replay request: %s", exc)
-                continue
-            if len(self._jobs) >= _MAX_JOBS:
-                self._counts["replays_rejected"] += 1
-                with contextlib.suppress(zmq.ZMQError):  # best effort: an empty reply, never queued
-                    router.send_multipart(replay_end_frames(identity), flags=zmq.NOBLOCK)
-                continue
-            self._jobs.append(_Job(identity, self._reply_items(start_seq, snapshot)))
-
-    def _reply_items(self, start_seq: int, snapshot: bool) -> Iterator[tuple[int, bytes]]:
-        with self._lock:
-            oldest = self._buffer[0][0] if self._buffer else self._last_seq + 1
-            use_snapshot = snapshot or seq_epoch(start_seq) != self.epoch or start_seq < oldest
-            end_seq = self._last_seq
-        if use_snapshot:
-            self._counts["snapshots_served"] += 1
-            return self._snapshot_items()
-        self._counts["replays_served"] += 1
-        return self._buffered_items(start_seq, end_seq)
-
-    def _buffered_items(self, start_seq: int, end_seq: int) -> Iterator[tuple[int, bytes]]:
-        seq = start_seq
-        while seq <= end_seq:
-            with self._lock:
-                if not self._buffer:
-                    return
-                index = seq - self._buffer[0][0]
-                if index < 0:  # rolled out while a slow client read
-                    self._counts["replays_truncated"] += 1
-                    return
-                item = self._buffer[index]
-            yield item
-            seq += 1
-
-    def _snapshot_items(self) -> Iterator[tuple[int, bytes]]:
-        with self._lock:
-            self._apply_pending()
-            snapshot_seq = self._last_seq
-            ranks = sorted(set(range(self.dp_size)) | set(self._residency))
-            frozen = {rank: self._residency[rank].copy() for rank in ranks if rank in self._residency}
-        for rank in ranks:
-            residency = frozen.get(rank)
-            events: list[Event] = [AllBlocksCleared()]
-            blocks = 0
-            stored = residency.iter_snapshot_events(max_blocks_per_event=64) if residency else iter(())
-            for event in stored:
-                events.append(event)
-                blocks += len(event.block_hashes)
-                if blocks >= self.snapshot_batch_blocks:
-                    yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
-                    events, blocks = [], 0
-            if events:
-                yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
-        with self._lock:
-            end_seq = self._last_seq
-        yield from self._buffered_items(snapshot_seq + 1, end_seq)
-
-    def _advance_jobs(self) -> None:
-        router = self._router
-        assert router is not None
-        deadline = time.monotonic() + 0.001
-        for job in self._jobs:
-            for message, is_end in itertools.islice(self._job_messages(job), _SLICE_MESSAGES):
-                try:
-                    router.send_multipart(message, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    job.pending = (message, is_end)  # the client reads slowly: retry on a later turn
-                    now = time.monotonic()
-                    if job.stalled_since is None:
-                        job.stalled_since = now
-                    elif now - job.stalled_since > _JOB_STALL_S:  # it stopped reading: free the slot
-                        job.done = True
-                        self._counts["replays_abandoned"] += 1
-                    break
-                except zmq.ZMQError:  # EHOSTUNREACH: the client went away
-                    job.done = True
-                    break
-                job.stalled_since = None
-                if is_end:
-                    job.done = True
-                    break
-                if time.monotonic() > deadline:
-                    break
-        self._jobs = [job for job in self._jobs if not job.done]
-
-    def _job_messages(self, job: _Job) -> Iterator[tuple[list[bytes], bool]]:
-        if job.pending is not None:
-            pending, job.pending = job.pending, None
-            yield pending
-            if pending[1]:
-                return
-        for seq, payload in job.items:
-            yield replay_reply_frames(job.identity, self._topic, seq, payload), False
-        yield replay_end_frames(job.identity), True
 
     # ------------------------------------------------------------------ stats
 

@@ -13,7 +13,7 @@ _SUBCOMMANDS = (
     "sglang_kvpub.tools.tail",
     "sglang_kvpub.tools.sidecar",
     "sglang_kvpub.tools.demo",
-    "sglang_kvpub.transport.curve",
+    "sglang_kvpub.tools.keygen",
     "sglang_kvpub.tools.check_config",
 )
 

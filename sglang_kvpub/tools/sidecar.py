@@ -27,13 +27,12 @@ import zmq
 
 from sglang_kvpub.config import ConfigError, PluginConfig, offset_endpoint
 from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.transport.replay import ReplayClient
 from sglang_kvpub.wire import (
     BatchDecoder,
     EventBatch,
     WireError,
     parse_live_frames,
-    parse_replay_reply,
-    replay_request_frames,
 )
 
 __all__ = ["Sidecar", "add_parser", "run"]
@@ -50,7 +49,7 @@ class _Rank:
         self.epoch = 1
         self.last_seq = -1
         self.seen = False
-        self.dealer: zmq.Socket[bytes] | None = None
+        self.replay: ReplayClient | None = None
 
 
 class Sidecar:
@@ -99,8 +98,8 @@ class Sidecar:
         for sub in self._subs:
             sub.close(linger=0)
         for rank in self._ranks:
-            if rank.dealer is not None:
-                rank.dealer.close(linger=0)
+            if rank.replay is not None:
+                rank.replay.close()
         self.fanin.stop()
         if self._owns_context:
             self._context.term()
@@ -164,20 +163,18 @@ class Sidecar:
     def _replay(self, rank: _Rank, start: int, stop: int) -> None:
         """Fetches ``[start, stop)`` from the rank's replay ROUTER and ingests it in order."""
         assert self.rank_replay_base is not None
-        if rank.dealer is None:
-            rank.dealer = self._context.socket(zmq.DEALER)
-            rank.dealer.setsockopt(zmq.LINGER, 0)
-            rank.dealer.connect(offset_endpoint(self.rank_replay_base, rank.dp_rank))
-        dealer = rank.dealer
-        dealer.send_multipart(replay_request_frames(start))
+        if rank.replay is None:
+            rank.replay = ReplayClient(self._context, offset_endpoint(self.rank_replay_base, rank.dp_rank))
+        client = rank.replay
+        client.request(start)
         for _ in range(_MAX_REPLAY_BATCHES):
-            if not dealer.poll(_REPLAY_TIMEOUT_MS) or self._stop.is_set():
-                break
             try:
-                reply = parse_replay_reply(dealer.recv_multipart())
+                reply = client.recv(_REPLAY_TIMEOUT_MS)
             except WireError as exc:
                 log.warning("kvpub sidecar: rank %d: bad replay reply: %s", rank.dp_rank, exc)
                 continue
+            if reply is None or self._stop.is_set():
+                break
             if reply.is_end:
                 return
             if start <= reply.seq < stop and reply.seq > rank.last_seq:
@@ -186,8 +183,8 @@ class Sidecar:
         # No end marker: drop the socket so late replies cannot be mistaken for a later answer.
         self.counts["replay_failures"] += 1
         log.warning("kvpub sidecar: rank %d: replay of seqs %d..%d failed", rank.dp_rank, start, stop - 1)
-        dealer.close(linger=0)
-        rank.dealer = None
+        client.close()
+        rank.replay = None
 
 
 # --------------------------------------------------------------------------- CLI

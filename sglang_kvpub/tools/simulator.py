@@ -98,9 +98,10 @@ def sglang_event_types() -> EventTypes | None:
 
     The rank publisher then converts SGLang's own structs, exactly as in a scheduler process.
     """
-    try:
-        from sglang.srt.disaggregation import kv_events
-    except Exception:  # not installed, or its imports fail on this machine
+    from sglang_kvpub.engine.sglang_compat import kv_events_module
+
+    kv_events = kv_events_module()
+    if kv_events is None:
         return None
     return EventTypes(
         f"SGLang's own structs ({kv_events.__name__})",

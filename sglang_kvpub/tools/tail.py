@@ -20,6 +20,7 @@ from typing import TextIO
 import zmq
 
 from sglang_kvpub import wire
+from sglang_kvpub.transport.replay import ReplayClient
 
 _POLL_MS = 200
 _REPLAY_TIMEOUT_S = 5.0
@@ -114,27 +115,12 @@ def describe_batch(seq: int, batch: wire.EventBatch) -> str:
 
 def replay(context: zmq.Context, endpoint: str, start_seq: int, snapshot: bool) -> Iterator[tuple[int, bytes]]:
     """``(seq, payload)`` pairs the replay ROUTER returns, until its end marker."""
-    dealer = context.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        dealer.send_multipart(wire.replay_request_frames(start_seq, snapshot=snapshot))
-        deadline = time.monotonic() + _REPLAY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not dealer.poll(_POLL_MS):
-                continue
-            try:
-                reply = wire.parse_replay_reply(dealer.recv_multipart())
-            except wire.WireError as exc:
-                print(f"skipped malformed replay reply: {exc}", file=sys.stderr)
-                continue
-            if reply.is_end:
-                return
-            deadline = time.monotonic() + _REPLAY_TIMEOUT_S
-            yield reply.seq, reply.payload
-        raise TimeoutError(f"no end of replay from {endpoint} within {_REPLAY_TIMEOUT_S}s")
-    finally:
-        dealer.close()
+
+    def skipped(exc: wire.WireError) -> None:
+        print(f"skipped malformed replay reply: {exc}", file=sys.stderr)
+
+    with ReplayClient(context, endpoint) as client:
+        yield from client.fetch(start_seq, snapshot=snapshot, timeout_s=_REPLAY_TIMEOUT_S, on_bad=skipped)
 
 
 class _Stop:

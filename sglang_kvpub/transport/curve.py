@@ -1,4 +1,4 @@
-"""Optional ZMQ CURVE for the instance stream (PUB) and its replay ROUTER, and ``keygen``.
+"""Optional ZMQ CURVE for the instance stream (PUB) and its replay ROUTER.
 
 CURVE (pyzmq/libzmq, Curve25519) encrypts every frame and authenticates the server: a
 subscriber must know the fan-in's public key, and a client that speaks plain ZMQ, or
@@ -8,7 +8,8 @@ directory of ``*.key`` public-key files) a ZAP handler admits only those clients
 
 Key files are the format ``zmq.auth`` writes and reads (Z85 keys in a small text file):
 ``NAME.key`` holds the public key, ``NAME.key_secret`` the public and the secret key
-(written mode 0600).  ``sglang-kvpub keygen --dir DIR --name NAME`` creates a pair.
+(written mode 0600).  ``sglang-kvpub keygen --dir DIR --name NAME``
+(:mod:`sglang_kvpub.tools.keygen`) creates a pair.
 
 This module imports only pyzmq; both halves of the project may use it (the router side
 passes keys through ``StreamOptions``).  See docs/security.md.
@@ -16,7 +17,6 @@ passes keys through ``StreamOptions``).  See docs/security.md.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from pathlib import Path
@@ -37,9 +37,6 @@ __all__ = [
     "apply_server",
     "apply_client",
     "start_authenticator",
-    "RateLimiter",
-    "add_parser",
-    "run",
 ]
 
 
@@ -161,62 +158,3 @@ def start_authenticator(context: zmq.Context[Any], authorized_keys_dir: Union[st
     auth.start()
     auth.configure_curve(domain="*", location=str(authorized_keys_dir))
     return auth
-
-
-# --------------------------------------------------------------------------- CLI
-
-
-def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "keygen",
-        help="create a CURVE key pair for the instance stream (server) or a subscriber (client)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--dir", required=True, help="directory for NAME.key and NAME.key_secret")
-    parser.add_argument("--name", default="server", help="file name stem (default: server)")
-    parser.set_defaults(run=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    public, secret = generate_keypair(args.dir, args.name)
-    key = load_public_key(public).decode("ascii")
-    print(f"public key file: {public}\nsecret key file: {secret} (mode 0600, keep it private)\npublic key: {key}")
-    return 0
-
-
-# --------------------------------------------------------------------------- rate limit
-
-
-class RateLimiter:
-    """Token buckets per client key (the HTTP service keys by peer IP).
-
-    ``rate`` tokens per second, up to ``burst``; ``allow`` takes one token.  At most
-    ``max_clients`` buckets are kept (the least recently refilled go first), so a flood
-    of source addresses cannot grow memory without bound.
-    """
-
-    def __init__(self, rate: float, burst: int, max_clients: int = 10_000) -> None:
-        if rate <= 0 or burst < 1:
-            raise ValueError("rate must be > 0 and burst >= 1")
-        self.rate = rate
-        self.burst = float(burst)
-        self.max_clients = max_clients
-        self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, last refill)
-        self.refused = 0
-
-    def allow(self, key: str, now: float) -> bool:
-        tokens, last = self._buckets.pop(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - last) * self.rate)
-        allowed = tokens >= 1.0
-        if allowed:
-            tokens -= 1.0
-        else:
-            self.refused += 1
-        self._buckets[key] = (tokens, now)  # re-inserted: dict order is recency order
-        if len(self._buckets) > self.max_clients:
-            del self._buckets[next(iter(self._buckets))]
-        return allowed
-
-    def __len__(self) -> int:
-        return len(self._buckets)
