@@ -25,6 +25,9 @@ DataParallelController (0.5.22+) and the detokenizer.  What happens where:
 
 The publisher config is SGLang's own ``--kv-events-config`` (passed unchanged to every
 process in server_args); plugin keys may sit in that JSON or come from ``SGLANG_KVPUB_*``.
+
+Why one module over 450 lines (just): :func:`register` and the per-process hooks it installs
+above are the plugin's whole SGLang surface, read together with docs/plugin.md.
 """
 
 from __future__ import annotations

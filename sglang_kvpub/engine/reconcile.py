@@ -29,6 +29,10 @@ announced), then every resident page is re-announced as single-page ``BlockStore
 taken only once the node itself is re-announced, so a store SGLang records meanwhile
 for a new child always follows its parent's re-announcement (no orphan downstream);
 each chunk re-checks that the node is still attached, unsplit and resident first.
+
+Why one module over 450 lines: :class:`Reconciler` is one resumable state machine (walk,
+scan, emit, resync) whose cursors live between time-boxed slices; its phases share that
+state and the tracker's epoch marks, so they stay together.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ installed through SGLang's ``HookRegistry`` (no SGLang edit), close the gap gene
 
 Nothing here imports SGLang at module level; event classes come from the recorder's
 module when first needed.
+
+Why one module over 450 lines: the touch, outer-operation, reset and take hooks share one
+protocol per tree operation (depth, touched nodes, settle on the way out); the engine-neutral
+tracker they write into is :mod:`sglang_kvpub.core.release_tracker`.
 """
 
 from __future__ import annotations

@@ -48,6 +48,10 @@ burst rather than per batch); then their residency updates are applied - and bef
 anything else reads residency (snapshot, stats, a rank restart).  Token ids are not
 re-validated here: the channel is private to the instance, and every consumer's decoder
 checks them.
+
+Why one module over 450 lines: :class:`FanIn`'s loop is the instance's per-message hot path
+(one lock acquisition per burst, the channel drain, the publish and the residency update in
+one pass); the replay and snapshot half is :mod:`sglang_kvpub.publish.replay_server`.
 """
 
 from __future__ import annotations

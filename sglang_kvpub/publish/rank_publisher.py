@@ -47,6 +47,10 @@ requests a *resync* - a thread-safe flag (:meth:`RankPublisher.take_resync_reque
 for the scheduler process :func:`take_resync_request`, which the idle-time reconciliation
 reads), a counter in ``stats`` and the optional ``on_resync`` callback.  The sender thread
 checks without blocking after each drain and at least every ``_WATCH_S`` while idle.
+
+Why one module over 450 lines: ``publish`` runs in the scheduler on every step; the inline
+send, the shared sender thread and the queue it drains are one hand-off protocol (the
+``_sending`` flag, sequence order), kept in one module so its invariants are read together.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ What runs (docs/demo.md explains every line of the output):
 Scenario: a ~5k-token prompt twice (cold -> load_balance, hot -> kv_cache_affinity on the rank
 that holds it), then distinct prompts spread over the instances and ranks, then each again.
 Exit 0 when the hot request hit the right rank, 1 (with the reason) when it did not.
+
+Why one module over 450 lines: it is one scenario read top to bottom (start the instances,
+the adapter, register, run the requests, print the lines docs/demo.md explains); the
+simulated ranks it drives live in :mod:`sglang_kvpub.tools.simulator`.
 """
 
 from __future__ import annotations
