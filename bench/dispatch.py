@@ -1,4 +1,4 @@
-"""Decision cost of the cache-aware DP dispatcher (``sglang_kvpub.dispatch``).
+"""Decision cost of the cache-aware DP dispatcher (``sglang_kvpub.core.dispatch``).
 
 Workload (default): 16 ranks, block size 128; every rank holds ``--prompts`` 6,144-token
 prompts (48 blocks, stored as merged ``BlockStored`` events through ``observe``, the
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, percentile, with_targets  # noqa: E402
-from sglang_kvpub.dispatch import CacheAwareDispatcher  # noqa: E402
-from sglang_kvpub.hashing import sequence_keys  # noqa: E402
+from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
+from sglang_kvpub.core.hashing import sequence_keys  # noqa: E402
 from sglang_kvpub.wire import BlockStored, EventBatch  # noqa: E402
 
 

@@ -8,7 +8,7 @@ from ``tests/``.  Every part is the real one, each in its own process:
   dummy-weight Llama made on the spot, its byte-level BPE tokenizer, ``bench/cpu_shims``);
 - ``motor-kv-adapter serve`` (``python -m motor_adapter.cli serve``) as Motor's kv-conductor;
 - Motor's coordinator, ``python -m motor.coordinator.main`` from the installed
-  ``mindie-motor``, unmodified (``motor_adapter.motor_coordinator``), configured from
+  ``mindie-motor``, unmodified (``motor_adapter.tools.motor_coordinator``), configured from
   ``docs/examples/motor_user_config.json`` with only what differs on this machine replaced
   (:func:`motor_config_from_example`), the instance registered the way Motor's controller does.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import sglang_server
 
-from motor_adapter.motor_coordinator import Coordinator, instance_event, topology
+from motor_adapter.tools.motor_coordinator import Coordinator, instance_event, topology
 
 __all__ = [
     "EXAMPLE_CONFIG",

@@ -63,9 +63,9 @@ import msgspec
 import zmq
 
 from sglang_kvpub import wire
-from sglang_kvpub.channel import private_dir, resolve_channel_endpoint
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.zmq_io import NOBLOCK, recv_frame
+from sglang_kvpub.transport.channel import private_dir, resolve_channel_endpoint
+from sglang_kvpub.transport.zmq_io import NOBLOCK, recv_frame
 
 PAGE = 128
 
@@ -110,7 +110,7 @@ def producer(
 ) -> None:  # fmt: skip
     import os
 
-    from sglang_kvpub.rank_publisher import RankPublisher
+    from sglang_kvpub.publish.rank_publisher import RankPublisher
 
     if nice and nice_scope == "process":
         os.nice(nice)  # before any thread exists: every thread of the producer inherits it
@@ -222,7 +222,7 @@ def subscriber(streams: dict[str, list[str]], ready: Any, stop: Any, out: Any) -
 
 
 def fanin_proc(config: PluginConfig, dp_size: int, channel: str, ready: Any, stop: Any, out: Any) -> None:
-    from sglang_kvpub.fanin import FanIn
+    from sglang_kvpub.publish.fanin import FanIn
 
     fanin = FanIn(config, dp_size, channel_endpoint=channel)
     fanin.start()

@@ -1,4 +1,4 @@
-"""Prefix index speed and size: ``sglang_kvpub.index`` against Dynamo's ``RadixTree``.
+"""Prefix index speed and size: ``sglang_kvpub.core.index`` against Dynamo's ``RadixTree``.
 
 Workload (default): 32 instances x 16 ranks, stores until 1M (worker, block) entries are
 indexed, block size 128.  Prompts are a popular system prompt (64 of them, 4-16 blocks,
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, percentile, with_targets  # noqa: E402
-from sglang_kvpub.index import PrefixIndex  # noqa: E402
+from sglang_kvpub.core.index import PrefixIndex  # noqa: E402
 from sglang_kvpub.wire import BlockStored, EventBatch  # noqa: E402
 
 BLOCK = 128

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, percentile
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import SimulatedInstance
+from sglang_kvpub.tools.simulator import SimulatedInstance
 
 BS = 16
 MODEL = "bench-model"

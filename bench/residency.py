@@ -26,7 +26,7 @@ One JSON line:
   The wall-clock maximum and the count of slices over 1 ms wall are in the same line
   (``reconcile_slice_wall_ms_max``, ``reconcile_slices_over_1ms_wall``): on a quiet machine
   they equal the CPU figures; on a shared one they show the preemptions.
-- Snapshot: sglang_kvpub.residency.RankResidency with 1M resident blocks (16 tokens each,
+- Snapshot: sglang_kvpub.core.residency.RankResidency with 1M resident blocks (16 tokens each,
   chains of 64), snapshot_events + wire.BatchEncoder("map") encoding.
 Run: python bench/residency.py [--quick]
 """
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def _toggle(enabled: bool) -> None:
     import pkgutil
 
-    from sglang_kvpub.release_hooks import hook_targets
+    from sglang_kvpub.engine.release_hooks import hook_targets
 
     for target, _hook in hook_targets():
         owner, method = target.rsplit(".", 1)
@@ -156,7 +156,7 @@ def _build(ns: Any, make: Any, pages: int) -> Any:
 
 def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> dict[str, Any]:
     from bench import rh_trees as rt
-    from sglang_kvpub.reconcile import SLICE_BUDGET_S, Reconciler, drift
+    from sglang_kvpub.engine.reconcile import SLICE_BUDGET_S, Reconciler, drift
     from sglang_kvpub.wire import MEDIUM_GPU
 
     tree = _build(ns, make, pages)
@@ -220,7 +220,7 @@ def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> 
 
 
 def snapshot(blocks: int) -> tuple[float, int]:
-    from sglang_kvpub.residency import RankResidency
+    from sglang_kvpub.core.residency import RankResidency
     from sglang_kvpub.wire import BatchEncoder, BlockStored, EventBatch
 
     res = RankResidency()
@@ -261,7 +261,7 @@ def main() -> int:
     blocks = 1 << 17 if args.quick else 1 << 20
     no_gc = step_overhead(ns, steps, gc_enabled=False)
     with_gc = step_overhead(ns, steps, gc_enabled=True)
-    from sglang_kvpub.reconcile import SLICE_BUDGET_S
+    from sglang_kvpub.engine.reconcile import SLICE_BUDGET_S
 
     legacy = reconcile(ns, rt.legacy_tree, pages)
     unified = reconcile(ns, rt.unified_tree, unified_pages)

@@ -8,8 +8,14 @@ from collections import defaultdict
 from typing import Any
 
 from bench import sglang_loader as sglang_real
-from sglang_kvpub.release_hooks import install_release_hooks, node_block_hashes, node_resident, tracker_of, tree_of
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.core.residency import RankResidency
+from sglang_kvpub.engine.release_hooks import (
+    install_release_hooks,
+    node_block_hashes,
+    node_resident,
+    tracker_of,
+    tree_of,
+)
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
 
 

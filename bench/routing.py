@@ -14,7 +14,7 @@ Model (every choice below is a documented default, overridable on the command li
   blocks. Block i (id b) is split into 4 pages of 128 tokens; page j of block i gets the prefix-chained key
   hash((key of the previous page, b, j)), so two prompts share page keys exactly as long as they share their
   prefix. Only full pages are cached (SGLang caches whole pages).
-- Cluster: P instances x R ranks, each rank a `RankCache` (sglang_kvpub/sim_cache.py: finite capacity in pages, LRU
+- Cluster: P instances x R ranks, each rank a `RankCache` (sglang_kvpub/core/sim_cache.py: finite capacity in pages, LRU
   eviction of unreferenced leaves) and a FIFO single-server queue. Default capacity 4096 pages (512k tokens) per
   rank: 2 x 16 x 4096 = 131k pages, about 18% of the conversation trace's 731k distinct pages, so the working
   set does not fit and eviction matters.
@@ -106,8 +106,8 @@ from bench._common import with_targets  # noqa: E402
 from motor_adapter.affinity import KvAffinity  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
-from sglang_kvpub.dispatch import CacheAwareDispatcher  # noqa: E402
-from sglang_kvpub.sim_cache import RankCache  # noqa: E402
+from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
+from sglang_kvpub.core.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
 PAGE_SIZE = 128

@@ -137,7 +137,7 @@ def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: flo
 
 def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, list[list[int]]]:
     from motor_adapter.affinity import KvAffinity
-    from motor_adapter.motor import parse_registration
+    from motor_adapter.registration import parse_registration
     from motor_adapter.scoring import KvAffinityConfig
     from motor_adapter.service import AdapterState, ServiceConfig
     from sglang_kvpub import wire

@@ -1,6 +1,6 @@
 """``KvAffinity``: the router-side Python API - streams in, Motor-style decisions out.
 
-One :class:`~sglang_kvpub.index.PrefixIndex` is fed by one stream subscriber per HTTP
+One :class:`~sglang_kvpub.core.index.PrefixIndex` is fed by one stream subscriber per HTTP
 endpoint (the plugin's instance stream carries every rank), or, for an engine without
 the plugin, by one subscriber per rank on ``base + rank`` (compatibility mode).
 :meth:`KvAffinity.select` folds each instance's ranks and applies Motor's cost
@@ -24,7 +24,7 @@ import zmq
 from motor_adapter.scoring import Candidate, Decision, KvAffinityConfig, TierCounts, select
 
 if TYPE_CHECKING:
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
 
 __all__ = ["KvAffinity", "SubscriberFactory", "compat_endpoints", "decision_logger"]
 
@@ -78,7 +78,7 @@ def compat_endpoints(endpoint: str, dp_size: int) -> list[str]:
 
 
 def _default_index(block_size: int, capacity_blocks: int | None) -> PrefixIndex:
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
 
     return PrefixIndex(block_size, capacity_blocks=capacity_blocks)
 
@@ -93,7 +93,7 @@ class KvAffinity:
     """Subscribes to prefill instances' KV streams and picks an instance and rank per request.
 
     ``index`` and ``subscriber_factory`` default to the real
-    :class:`~sglang_kvpub.index.PrefixIndex` and
+    :class:`~sglang_kvpub.core.index.PrefixIndex` and
     :class:`~motor_adapter.stream.StreamSubscriber`; tests may pass their own.
     """
 

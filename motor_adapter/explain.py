@@ -10,24 +10,31 @@ further - the special-token mismatch of the report's risk R8.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+from motor_adapter.http_contract import as_dict
 
 if TYPE_CHECKING:
-    from motor_adapter.motor import Registration
-    from motor_adapter.service import AdapterState
+    from motor_adapter.affinity import KvAffinity
+    from motor_adapter.registration import Registration
 
-__all__ = ["explain", "format_report"]
+__all__ = ["ExplainSource", "explain", "format_report"]
+
+
+class ExplainSource(Protocol):
+    """What :func:`explain` reads of the service's state (the service's ``AdapterState``
+    satisfies it); a protocol, so this module never imports the service that calls it."""
+
+    def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]: ...
+
+    def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None: ...
+
+    def stream_health(self) -> dict[tuple[str, str, int, str], list[Any]]: ...
+
 
 # BOS ids of common families (DeepSeek 0, Llama-2/Mistral 1, Llama-3 128000, Qwen 151643):
 # only used to test "one token missing at the front" when no tokenizer is known.
 _COMMON_BOS = (0, 1, 2, 128000, 151643)
-
-
-def _as_dict(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
 
 
 def _health_problem(healths: list[Any]) -> str | None:
@@ -54,7 +61,7 @@ def _best(hits: dict[str, dict[int, Any]]) -> tuple[int, str | None, int | None]
 
 
 def _shift_check(
-    state: AdapterState, model: str, tenant: str, block_size: int, tokens: list[int], best: int, bos: int | None
+    state: ExplainSource, model: str, tenant: str, block_size: int, tokens: list[int], best: int, bos: int | None
 ) -> dict[str, Any] | None:
     """Does the prompt match further with one special token added or removed at the front?"""
     aff = state.affinity(model, tenant, block_size)
@@ -77,7 +84,7 @@ def _shift_check(
 
 
 def explain(
-    state: AdapterState,
+    state: ExplainSource,
     model: str,
     tenant: str,
     block_size: int,
@@ -157,7 +164,7 @@ def _names_of(regs: list[Registration], stream: str | None) -> str:
 
 
 def _explain_registration(
-    state: AdapterState,
+    state: ExplainSource,
     reg: Registration,
     block_size: int,
     blocks: int,
@@ -183,7 +190,7 @@ def _explain_registration(
         )
         return entry
     healths = health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
-    entry["health"] = [_as_dict(h) for h in healths]
+    entry["health"] = [as_dict(h) for h in healths]
     problem = _health_problem(healths)
     aff = state.affinity(reg.model, reg.tenant, reg.block_size)
     known_ranks = set(aff.index.ranks(reg.stream)) if aff is not None and hasattr(aff, "index") else set()

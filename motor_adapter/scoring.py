@@ -18,6 +18,10 @@ The pipeline for one request:
 
 :func:`conductor_response` renders the same hits as kv-conductor's ``/query`` JSON, with a
 fanned-in instance's engine ranks folded into the dp Motor registered.
+
+Why one module over 450 lines: it is Motor's ``kv_cache_affinity`` in one place - the
+configuration Motor reads, the cost, the fold over ranks and the two answer shapes - each
+part checked against the released Motor in tests/test_scoring.py and tests/test_motor_real.py.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol, Union
+from typing import Any, Literal, Union
+
+from sglang_kvpub.core.errors import ConfigError
+from sglang_kvpub.core.tiers import TierHit
 
 __all__ = [
     "MODES",
@@ -34,6 +41,7 @@ __all__ = [
     "Candidate",
     "CandidateScore",
     "ConfigError",
+    "INVALID",
     "Decision",
     "FoldedHit",
     "KvAffinityConfig",
@@ -57,28 +65,13 @@ POLICY_LOAD_BALANCE = "load_balance"
 _DEFAULT_TOPN = 2  # Motor turns load_gate_topn=0 into 2 at runtime
 
 
-class TierCounts(Protocol):
-    """What scoring needs from a hit: ``sglang_kvpub.index.TierHit`` satisfies it."""
-
-    @property
-    def npu_blocks(self) -> int: ...
-
-    @property
-    def cpu_blocks(self) -> int: ...
-
-    @property
-    def disk_blocks(self) -> int: ...
+TierCounts = TierHit  # the name scoring has always used for a hit triple
 
 
 # --------------------------------------------------------------------------- configuration
 
 
-class ConfigError(ValueError):
-    """One or more bad ``kv_affinity`` settings; each problem names the key and the fix."""
-
-    def __init__(self, problems: Sequence[str]) -> None:
-        self.problems = list(problems)
-        super().__init__("invalid kv_affinity configuration: " + "; ".join(self.problems))
+INVALID = "invalid kv_affinity configuration"  # heads every ConfigError message of the adapter
 
 
 _FLOAT_KEYS = ("load_weight", "overlap_credit", "prefill_load_scale", "w_npu", "w_cpu", "w_disk", "hit_rate_threshold")
@@ -109,7 +102,7 @@ class KvAffinityConfig:
     def __post_init__(self) -> None:
         problems = _validate(dataclasses.asdict(self), prefix="kv_affinity.")
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, INVALID)
         # Normalise what JSON may spell loosely: "Unified", 128.0.
         object.__setattr__(self, "mode", self.mode.strip().lower())
         for key in _INT_KEYS:
@@ -136,7 +129,7 @@ class KvAffinityConfig:
         ``kv_affinity`` dict sets it. Raises :class:`ConfigError` listing every problem.
         """
         if not isinstance(config, Mapping):
-            raise ConfigError([f"expected a JSON object, got {type(config).__name__}"])
+            raise ConfigError([f"expected a JSON object, got {type(config).__name__}"], INVALID)
         values, where, conductor = _collect(config)
         if conductor is not None and "block_size" not in values:
             values["block_size"] = conductor
@@ -147,7 +140,7 @@ class KvAffinityConfig:
             for key in unknown
         ]
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, INVALID)
         return cls(**values)
 
 
@@ -172,11 +165,11 @@ def _collect(config: Mapping[str, Any]) -> tuple[dict[str, Any], str, Any]:
     if scheduler is None:  # the kv_affinity dict itself
         return dict(config), "kv_affinity.", None
     if not isinstance(scheduler, Mapping):
-        raise ConfigError([f"{where.rstrip('.')} must be a JSON object"])
+        raise ConfigError([f"{where.rstrip('.')} must be a JSON object"], INVALID)
     values = {str(k)[len(_FLAT_PREFIX) :]: v for k, v in scheduler.items() if str(k).startswith(_FLAT_PREFIX)}
     nested = scheduler.get("kv_affinity")
     if nested is not None and not isinstance(nested, Mapping):
-        raise ConfigError([f"{where}kv_affinity must be a JSON object, got {type(nested).__name__}"])
+        raise ConfigError([f"{where}kv_affinity must be a JSON object, got {type(nested).__name__}"], INVALID)
     values.update(nested or {})
     conductor = scheduler.get("kv_conductor_config") or top_conductor
     block_size = conductor.get("block_size") if isinstance(conductor, Mapping) else None
@@ -246,18 +239,11 @@ def prefill_cost(matched: int, cfg: KvAffinityConfig, isl: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class FoldedHit:
+class FoldedHit(TierHit):
     """The best engine rank of one instance and that rank's own tier split."""
 
-    dp_rank: int
-    npu_blocks: int
-    cpu_blocks: int
-    disk_blocks: int
-    weighted: float
-
-    @property
-    def total_blocks(self) -> int:
-        return self.npu_blocks + self.cpu_blocks + self.disk_blocks
+    dp_rank: int = 0
+    weighted: float = 0.0
 
 
 def fold_engine_dps(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> FoldedHit | None:
@@ -272,7 +258,7 @@ def fold_engine_dps(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> Fo
     if found is None:
         return None
     rank, hit, weighted = found
-    return FoldedHit(rank, hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks, weighted)
+    return FoldedHit(hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks, dp_rank=rank, weighted=weighted)
 
 
 def best_rank(hits: Mapping[int, TierCounts], cfg: KvAffinityConfig) -> tuple[int, TierCounts, float] | None:
@@ -579,7 +565,7 @@ def instance_entry(
     best_w = 0.0
     for entry in entries.values():
         longest = max(longest, entry["matched_tokens"])
-        weighted = weighted_blocks(_Tiers(entry), cfg)
+        weighted = weighted_blocks(_tiers(entry), cfg)
         if best is None or weighted > best_w:
             best, best_w = entry, weighted
     out: dict[str, Any] = {
@@ -591,17 +577,11 @@ def instance_entry(
     if shape == "rank_dicts":
         out["DP"] = dict(entries)
         return out
-    out["DP"] = {dp: round(weighted_blocks(_Tiers(e), cfg) * bs) for dp, e in entries.items()}
+    out["DP"] = {dp: round(weighted_blocks(_tiers(e), cfg) * bs) for dp, e in entries.items()}
     out["dp_detail"] = dict(entries)
     return out
 
 
-class _Tiers:
-    """A :func:`dp_entry` dict seen as :class:`TierCounts`."""
-
-    __slots__ = ("cpu_blocks", "disk_blocks", "npu_blocks")
-
-    def __init__(self, entry: Mapping[str, Any]) -> None:
-        self.npu_blocks: int = entry["npu_blocks"]
-        self.cpu_blocks: int = entry["cpu_blocks"]
-        self.disk_blocks: int = entry["disk_blocks"]
+def _tiers(entry: Mapping[str, Any]) -> TierHit:
+    """A :func:`dp_entry` dict as the hit it was made from."""
+    return TierHit(entry["npu_blocks"], entry["cpu_blocks"], entry["disk_blocks"])

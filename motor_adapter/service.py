@@ -18,848 +18,60 @@ bad one gets a 4xx JSON ``{"error", "detail"}`` and is counted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
-import json
 import logging
-import math
-import os
-import threading
 import time
-from array import array
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Union
+from typing import Any
 
 import msgspec
 from aiohttp import web
 from xxhash import xxh3_128_intdigest as _xxh3_128
 
 from motor_adapter import metrics
-from motor_adapter.affinity import KvAffinity, decision_logger
-from motor_adapter.motor import (
+from motor_adapter.adapter_metrics import LABELS_MAX
+from motor_adapter.affinity import decision_logger
+from motor_adapter.http_contract import (
+    I64_MIN,
+    MSGPACK_TYPES,
+    U64_MASK,
+    QueryBody,
+    RequestError,
+    candidates_of,
+    field_block_size,
+    field_str,
+    token_ids_of,
+    u32_tokens,
+)
+from motor_adapter.registration import (
     DEFAULT_TENANT,
-    Registration,
     RegistrationError,
-    Unregistration,
     parse_registration,
     parse_unregistration,
 )
-from motor_adapter.registrations import DurableRegistrations
-from motor_adapter.registry_store import open_store
-from motor_adapter.scoring import (
-    QUERY_SHAPES,
-    Candidate,
-    ConfigError,
-    KvAffinityConfig,
-    TierCounts,
-    best_rank,
-    dp_entry,
-    fold_engine_dps,
-    instance_entry,
-    select,
-)
-from sglang_kvpub.hashing import chain_hashes, sequence_keys
-from sglang_kvpub.security import RateLimiter
+from motor_adapter.registry.durable import DurableRegistrations
+from motor_adapter.registry.spec import open_store
+from motor_adapter.settings import MAX_STREAMS_ENV, TOKEN_ENV, ServiceConfig
+from motor_adapter.state import AdapterState, AffinityFactory
+from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.core.ratelimit import RateLimiter
 
-__all__ = ["ServiceConfig", "AdapterState", "RequestError", "build_app", "run_server", "AffinityFactory"]
+__all__ = [
+    "ServiceConfig",
+    "AdapterState",
+    "RequestError",
+    "build_app",
+    "run_server",
+    "AffinityFactory",
+    "TOKEN_ENV",
+    "MAX_STREAMS_ENV",
+    "QueryBody",
+    "token_ids_of",
+    "u32_tokens",
+]
 
 log = logging.getLogger(__name__)
-
-_U32_MAX = 0xFFFFFFFF
-_U64_MASK = (1 << 64) - 1
-_I64_MIN = -(1 << 63)
-TOKEN_ENV = "MOTOR_KV_ADAPTER_TOKEN"
-MAX_STREAMS_ENV = "MOTOR_KV_ADAPTER_MAX_STREAMS"
-_MAX_REGISTRATIONS = 1 << 16  # registration records (cheap, but a flood must not grow them forever)
-_CONFIGS_MAX = 64  # cached scoring configs: block_size comes from the network
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
-_BLOCK_SIZE = Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
-
-
-class QueryBody(msgspec.Struct, kw_only=True):
-    """``/query`` and ``/query_by_hash``: decoded AND validated in C (the hot path)."""
-
-    model: Union[str, None] = None
-    block_size: _BLOCK_SIZE = 128
-    tenant_id: Union[str, None] = None
-    token_ids: Union[list[int], None] = None  # range-checked by u32_tokens in one C call
-    block_hashes: Union[list[int], None] = None  # i64 or u64: range checked by the handler
-    prompt: Any = None
-    messages: Any = None
-    tools: Any = None
-
-    def common(self) -> tuple[str, str, int]:
-        if not self.model:
-            raise RequestError(400, "bad_field", "model must be a non-empty string")
-        return self.model, self.tenant_id or DEFAULT_TENANT, self.block_size
-
-
-AffinityFactory = Callable[[KvAffinityConfig, Union[int, None]], KvAffinity]
-Hits = dict[str, dict[int, TierCounts]]
-
-
-class RequestError(Exception):
-    """A request we refuse: HTTP ``status``, a stable ``reason`` and a human ``detail``."""
-
-    def __init__(self, status: int, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.status = status
-        self.reason = reason
-        self.detail = detail
-
-
-# --------------------------------------------------------------------------- configuration
-
-
-@dataclasses.dataclass(frozen=True)
-class ServiceConfig:
-    host: str = "127.0.0.1"
-    port: int = 13333
-    max_body_bytes: int = 8 << 20
-    auth_token: Union[str, None] = None  # bearer token for /register and /unregister
-    kv_affinity: KvAffinityConfig = dataclasses.field(default_factory=KvAffinityConfig)
-    capacity_blocks: Union[int, None] = None
-    tokenizer_path: Union[str, None] = None  # for every model without its own entry
-    tokenizers: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    trust_remote_code: bool = False
-    # Security (docs/security.md): per-client-IP token bucket (None: off) and CURVE for streams.
-    rate_limit_rps: Union[float, None] = None
-    rate_limit_burst: int = 200
-    curve_server_keys: Mapping[str, str] = dataclasses.field(default_factory=dict)  # stream URL -> key
-    curve_client_secret_key_file: Union[str, None] = None
-    # Subscriptions followed at once (a compat registration counts one per rank): 429 beyond.
-    max_streams: int = 1024
-    # Where registrations outlive the process (docs/operations.md): "file:PATH", "etcd://HOST:PORT/PREFIX"
-    # or None/"memory" (nothing survives); `motor-kv-adapter serve` defaults to a file in $XDG_STATE_HOME.
-    registry: Union[str, None] = None
-    registry_dead_after_s: float = 60.0  # a restored registration silent this long is dropped (0: never)
-    # /query's DP layout (scoring.QUERY_SHAPES): "tokens" is what every released Motor scores.
-    query_shape: str = "tokens"
-
-    def __post_init__(self) -> None:
-        if self.query_shape not in QUERY_SHAPES:
-            raise ConfigError(
-                [f"query_shape is {self.query_shape!r}: use one of {', '.join(QUERY_SHAPES)} (docs/motor.md)"]
-            )
-        if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
-            raise ConfigError([f"max_streams must be an integer >= 1, got {self.max_streams!r}"])
-        dead = self.registry_dead_after_s
-        if isinstance(dead, bool) or not isinstance(dead, (int, float)) or not 0 <= dead < math.inf:
-            raise ConfigError([f"registry_dead_after_s must be a number >= 0 (0: never drop), got {dead!r}"])
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ServiceConfig:
-        """Reads the ``--config`` JSON; ``kv_affinity`` may be ours or a whole Motor user config."""
-        env = os.environ if env is None else env
-        known = {f.name for f in dataclasses.fields(cls)} | {"tokenizer", "motor_config"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError([f"unknown service setting(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"])
-        values = {k: v for k, v in data.items() if k in known - {"tokenizer", "motor_config", "kv_affinity"}}
-        tokenizer = data.get("tokenizer")
-        if isinstance(tokenizer, Mapping):
-            values.setdefault("tokenizer_path", tokenizer.get("path"))
-            values.setdefault("trust_remote_code", bool(tokenizer.get("trust_remote_code", False)))
-        elif isinstance(tokenizer, str):
-            values.setdefault("tokenizer_path", tokenizer)
-        source = data.get("motor_config") or data.get("kv_affinity")
-        if isinstance(source, str):
-            with open(source, encoding="utf-8") as handle:
-                source = json.load(handle)
-        if source is not None:
-            values["kv_affinity"] = KvAffinityConfig.from_motor(source)
-        if not values.get("auth_token") and env.get(TOKEN_ENV):
-            values["auth_token"] = env[TOKEN_ENV]
-        if "max_streams" not in values and env.get(MAX_STREAMS_ENV):
-            try:
-                values["max_streams"] = int(env[MAX_STREAMS_ENV])
-            except ValueError as exc:
-                raise ConfigError([f"{MAX_STREAMS_ENV} must be an integer, got {env[MAX_STREAMS_ENV]!r}"]) from exc
-        return cls(**values)
-
-    @classmethod
-    def from_file(cls, path: str, env: Mapping[str, str] | None = None) -> ServiceConfig:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-        if not isinstance(data, Mapping):
-            raise ConfigError([f"{path}: expected a JSON object"])
-        return cls.from_mapping(data, env)
-
-
-# --------------------------------------------------------------------------- request fields
-
-
-def _field_str(body: Mapping[str, Any], key: str, default: Union[str, None] = None) -> str:
-    value = body.get(key, default)
-    if not isinstance(value, str) or not value:
-        raise RequestError(400, "bad_field", f"{key} must be a non-empty string")
-    return value
-
-
-def _field_block_size(body: Mapping[str, Any], default: int) -> int:
-    value = body.get("block_size", default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
-        raise RequestError(400, "bad_field", f"block_size must be a positive integer, got {value!r}")
-    return value
-
-
-def token_ids_of(value: Any) -> list[int]:
-    """Validated token ids: integers in [0, 2^32) (the conductor hashes them as u32)."""
-    try:
-        return msgspec.convert(value, list[_U32])
-    except msgspec.ValidationError as exc:
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
-
-
-def u32_tokens(tokens: Sequence[int]) -> array[int]:
-    """Token ids packed as u32 in one C call, which is also the range check [0, 2^32)."""
-    try:
-        return array("I", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
-
-
-# --------------------------------------------------------------------------- state
-
-
-@dataclasses.dataclass
-class _Index:
-    affinity: KvAffinity
-    users: dict[str, set[tuple[str, str, str, int]]]  # stream URL -> registration keys
-    costs: dict[str, int] = dataclasses.field(default_factory=dict)  # stream URL -> subscriptions it runs
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """One registered instance as ``/query`` renders it at one block_size."""
-
-    instance: str
-    dps: list[int]  # registered dps, sorted
-    keys: tuple[str, ...]  # the same as JSON keys
-    streams: tuple[tuple[int, str], ...]  # (dp, stream URL) of the registrations usable at this block_size
-    single: bool  # one registration: its stream's engine ranks fold into its dp
-
-
-@dataclasses.dataclass(frozen=True)
-class _View:
-    """What a query of ``(model, tenant, block_size)`` needs, grouped once per registration change."""
-
-    regs: list[Registration]
-    affinity: Union[KvAffinity, None]
-    plans: tuple[_Plan, ...]
-
-
-_VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
-
-
-def _plans(regs: Sequence[Registration], block_size: int) -> tuple[_Plan, ...]:
-    groups: dict[str, list[Registration]] = {}
-    for reg in regs:  # registration order: the response lists instances in it
-        groups.setdefault(reg.instance_id, []).append(reg)
-    plans = []
-    for instance, members in groups.items():
-        dps = sorted(r.dp_rank for r in members)
-        usable = tuple((r.dp_rank, r.stream) for r in members if r.block_size == block_size and r.stream is not None)
-        plans.append(_Plan(instance, dps, tuple(str(dp) for dp in dps), usable, len(members) == 1))
-    return tuple(plans)
-
-
-def _index_key(reg: Registration) -> tuple[str, str, int]:
-    return (reg.model, reg.tenant, reg.block_size)
-
-
-def _cost(reg: Registration) -> int:
-    """Subscriptions a registration's stream runs: one, or one per rank in compat mode."""
-    return reg.compat_dp_size or 1
-
-
-def _run(stops: Sequence[tuple[KvAffinity, str]], starts: Sequence[tuple[KvAffinity, Registration]]) -> None:
-    """Stops, then starts, subscriptions (joins and spawns threads: never under ``_lock``)."""
-    for affinity, url in stops:
-        affinity.remove_instance(url)
-    for affinity, reg in starts:
-        assert reg.stream is not None
-        affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
-
-
-def _source(reg: Registration) -> tuple[Any, ...]:
-    """What a subscription depends on: equal sources share one subscriber and its index."""
-    return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
-
-
-class AdapterState:
-    """Registrations, indexes and tokenizers; the HTTP layer is a thin shell around it."""
-
-    def __init__(self, config: ServiceConfig, affinity_factory: AffinityFactory | None = None) -> None:
-        self.config = config
-        self._factory: AffinityFactory = affinity_factory or (
-            lambda cfg, cap: KvAffinity(
-                cfg,
-                cap,
-                curve_server_keys=config.curve_server_keys,
-                curve_client_secret_key_file=config.curve_client_secret_key_file,
-            )
-        )
-        self._lock = threading.RLock()  # registrations may change while queries read them
-        self._reg_lock = threading.Lock()  # orders registration changes; queries never take it
-        self._registrations: dict[tuple[str, str, str, int], Registration] = {}
-        self._indexes: dict[tuple[str, str, int], _Index] = {}
-        self._tokenizers: dict[str, Any] = {}
-        self._configs: dict[int, KvAffinityConfig] = {}
-        self._views: dict[tuple[str, str, int], _View] = {}  # cleared on every registration change
-        self.metrics = _Metrics()
-
-    # ------------------------------------------------------------------ registration
-
-    def register(self, reg: Registration) -> dict[str, Any]:
-        """Adds or replaces one ``(instance_id, dp_rank)``; the same registration again is a no-op.
-
-        Subscribers start and stop outside ``_lock`` (joining threads takes a while and queries
-        take that lock on a view-cache miss); ``_reg_lock`` orders registration changes.
-        Raises 429 ``too_many_streams`` / ``too_many_registrations`` past the caps. If the
-        subscription cannot start, the previous state is restored and the error re-raised.
-        """
-        with self._reg_lock:
-            with self._lock:
-                old = self._registrations.get(reg.key)
-                if old is not None and old.same_as(reg):
-                    return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
-                resubscribe = old is None or _source(old) != _source(reg)
-                if old is None and len(self._registrations) >= _MAX_REGISTRATIONS:
-                    raise RequestError(429, "too_many_registrations", f"{_MAX_REGISTRATIONS} registrations")
-                if resubscribe:
-                    self._check_streams(old, reg)
-                self._registrations[reg.key] = reg
-                self._views.clear()
-                # Same stream (e.g. Motor's pool-mode re-registration repeating the URL under
-                # cpu/disk): the record changes, the subscription and its index stay.
-                stops = self._unbook(old) if resubscribe and old is not None else []
-                starts = self._book(reg) if resubscribe else []
-            try:
-                _run(stops, starts)
-            except Exception:
-                log.exception("register %s dp %d: following %s failed", reg.instance_id, reg.dp_rank, reg.stream)
-                self._roll_back(old, reg)
-                raise
-        for warning in reg.warnings:
-            log.warning("register %s dp %d: %s", reg.instance_id, reg.dp_rank, warning)
-        log.info(
-            "registered %s dp %d model=%s tenant=%s block_size=%d stream=%s mode=%s",
-            reg.instance_id, reg.dp_rank, reg.model, reg.tenant, reg.block_size, reg.stream, reg.mode,
-        )  # fmt: skip
-        self.metrics.registrations.inc(changed=str(old is not None).lower())
-        return {"status": "ok", "changed": True, "warnings": list(reg.warnings)}
-
-    def _streams(self) -> dict[tuple[tuple[str, str, int], str], int]:
-        """Subscriptions followed now: ``(index key, URL) -> subscriber count`` (under ``_lock``)."""
-        return {(key, url): cost for key, entry in self._indexes.items() for url, cost in entry.costs.items()}
-
-    def _check_streams(self, old: Registration | None, reg: Registration) -> None:
-        """429 when replacing ``old`` by ``reg`` would follow more than ``max_streams`` (under ``_lock``)."""
-        streams = self._streams()
-        before = sum(streams.values())
-        if old is not None and old.stream is not None:
-            entry = self._indexes.get(_index_key(old))
-            if entry is not None and entry.users.get(old.stream, set()) <= {old.key}:
-                streams.pop((_index_key(old), old.stream), None)
-        if reg.stream is not None:
-            streams[(_index_key(reg), reg.stream)] = _cost(reg)
-        after = sum(streams.values())
-        limit = self.config.max_streams
-        if after > limit and after > before:
-            detail = f"following {reg.stream} would make {after} subscriptions > max_streams {limit}"
-            raise RequestError(429, "too_many_streams", detail)
-
-    def _book(self, reg: Registration) -> list[tuple[KvAffinity, Registration]]:
-        """Records ``reg`` as a user of its stream (under ``_lock``); returns the subscription to start."""
-        key = _index_key(reg)
-        entry = self._indexes.get(key)
-        if entry is None:
-            cfg = self.scoring_config(reg.block_size)
-            entry = self._indexes[key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
-        if reg.stream is None:
-            return []
-        entry.users.setdefault(reg.stream, set()).add(reg.key)
-        entry.costs[reg.stream] = _cost(reg)
-        # Idempotent for the same source; a different mode or replay URL replaces the subscription.
-        return [(entry.affinity, reg)]
-
-    def _unbook(self, reg: Registration) -> list[tuple[KvAffinity, str]]:
-        """Forgets ``reg`` as a user of its stream (under ``_lock``); returns the subscription to
-        stop when it was the last registration naming that URL."""
-        entry = self._indexes.get(_index_key(reg))
-        if entry is None or reg.stream is None:
-            return []
-        users = entry.users.get(reg.stream)
-        if users is None:
-            return []
-        users.discard(reg.key)
-        if users:
-            return []
-        del entry.users[reg.stream]
-        entry.costs.pop(reg.stream, None)
-        return [(entry.affinity, reg.stream)]
-
-    def _roll_back(self, old: Registration | None, reg: Registration) -> None:
-        """Undoes a registration whose subscription failed: ``old`` again (re-followed), or nothing."""
-        with self._lock:
-            if self._registrations.get(reg.key) is reg:
-                if old is None:
-                    del self._registrations[reg.key]
-                else:
-                    self._registrations[reg.key] = old
-            self._views.clear()
-            stops = self._unbook(reg)
-            starts = self._book(old) if old is not None else []
-            entry = self._indexes.get(_index_key(reg))
-            users = entry.users.get(reg.stream, set()) if entry is not None and reg.stream is not None else set()
-            if users and not stops:  # a failed replace may have stopped the URL other registrations share
-                survivor = self._registrations.get(next(iter(users)))
-                if survivor is not None:
-                    starts += self._book(survivor)
-        try:
-            _run(stops, starts)
-        except Exception:
-            log.exception("register %s dp %d: restoring the previous subscription failed", reg.instance_id, reg.dp_rank)
-
-    def unregister(self, unreg: Unregistration) -> int:
-        with self._reg_lock:
-            with self._lock:
-                gone = [
-                    reg
-                    for key, reg in self._registrations.items()
-                    if reg.instance_id == unreg.instance_id
-                    and reg.tenant == unreg.tenant
-                    and (unreg.dp_rank is None or reg.dp_rank == unreg.dp_rank)
-                    and (unreg.model is None or reg.model == unreg.model)
-                ]
-                stops: list[tuple[KvAffinity, str]] = []
-                for reg in gone:
-                    del self._registrations[reg.key]
-                    stops += self._unbook(reg)
-                if gone:
-                    self._views.clear()
-            _run(stops, [])  # joins subscriber threads: outside _lock, so queries go on
-        return len(gone)
-
-    def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]:
-        with self._lock:
-            return [
-                r
-                for r in self._registrations.values()
-                if (model is None or r.model == model) and (tenant is None or r.tenant == tenant)
-            ]
-
-    def scoring_config(self, block_size: int) -> KvAffinityConfig:
-        """The configured weights at ``block_size`` (cached, bounded: building one validates it)."""
-        cfg = self._configs.get(block_size)
-        if cfg is None:
-            cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
-            if len(self._configs) >= _CONFIGS_MAX:  # block_size is network input: never grow forever
-                self._configs = {}
-            self._configs[block_size] = cfg
-        return cfg
-
-    def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None:
-        with self._lock:
-            entry = self._indexes.get((model, tenant, block_size))
-            return entry.affinity if entry else None
-
-    def close(self) -> None:
-        with self._reg_lock:
-            with self._lock:
-                entries = list(self._indexes.values())
-                self._indexes.clear()
-                self._registrations.clear()
-                self._views.clear()
-            for entry in entries:
-                entry.affinity.close()
-
-    # ------------------------------------------------------------------ queries
-
-    def _view(self, model: str, tenant: str, block_size: int) -> _View:
-        """The cached grouping of ``(model, tenant)``'s registrations; 404 ``NoIndexer`` without any."""
-        key = (model, tenant, block_size)
-        view = self._views.get(key)  # lock-free read: a registration change replaces the whole dict entry
-        if view is not None:
-            return view
-        with self._lock:
-            regs = [r for r in self._registrations.values() if r.model == model and r.tenant == tenant]
-            if not regs:
-                self.metrics.missed_registration(model, tenant)
-                raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
-            entry = self._indexes.get(key)
-            view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
-            if len(self._views) >= _VIEWS_MAX:
-                self._views.clear()
-            self._views[key] = view
-        return view
-
-    def instance_hits(
-        self, model: str, tenant: str, block_size: int, fetch: Callable[[KvAffinity], Mapping[str, Any]]
-    ) -> tuple[Hits, dict[str, list[int]], list[Registration]]:
-        """Per registered instance its hits (engine ranks, or registered dps when it has several).
-
-        Raises 404 ``NoIndexer`` when nothing is registered for ``(model, tenant)``.
-        """
-        view = self._view(model, tenant, block_size)
-        raw = fetch(view.affinity) if view.affinity is not None else {}
-        hits: Hits = {}
-        dps: dict[str, list[int]] = {}
-        for plan in view.plans:
-            dps[plan.instance] = list(plan.dps)
-            if plan.single:
-                hits[plan.instance] = dict(raw.get(plan.streams[0][1], {})) if plan.streams else {}
-                continue
-            per_dp: dict[int, TierCounts] = {}
-            for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
-                folded = fold_engine_dps(raw.get(stream, {}), self.config.kv_affinity)
-                if folded is not None:
-                    per_dp[dp] = folded
-            hits[plan.instance] = per_dp
-        return hits, dps, list(view.regs)
-
-    def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
-        started = time.perf_counter()
-        keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
-        return self._keys_response(model, tenant, block_size, keys, len(token_ids) // block_size, started)
-
-    def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
-        started = time.perf_counter()
-        keys = chain_hashes(local_hashes)
-        return self._keys_response(model, tenant, block_size, keys, len(keys), started)
-
-    def query_keys(
-        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float | None = None
-    ) -> dict[str, Any]:
-        """``/query``'s answer for a prompt's chained block keys (``blocks`` full blocks asked)."""
-        return self._keys_response(model, tenant, block_size, keys, blocks, started or time.perf_counter())
-
-    def _keys_response(
-        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
-    ) -> dict[str, Any]:
-        """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path (same JSON)."""
-        view = self._view(model, tenant, block_size)
-        cfg, shape = self.scoring_config(block_size), self.config.query_shape
-        best = self._best_ranks(view, keys, block_size)
-        out, observed = _conductor_answer(view.plans, best, block_size, cfg, shape)
-        self.metrics.observe_hits(model, observed, blocks, started, block_size)
-        return {tenant: out}
-
-    def _best_ranks(self, view: _View, keys: list[int], block_size: int) -> Mapping[str, tuple[int, TierCounts]]:
-        """Per stream holding block 0: ``(engine rank, hit)`` of its best rank (``best_rank``)."""
-        if view.affinity is None:
-            return {}
-        best = view.affinity.best_for_keys(keys)  # one pass while only NPU holds blocks
-        if best is not None:
-            return best
-        cfg = self.scoring_config(block_size)
-        out: dict[str, tuple[int, TierCounts]] = {}
-        for stream, ranks in view.affinity.hits_for_keys(keys).items():
-            found = best_rank(ranks, cfg)
-            if found is not None:
-                out[stream] = (found[0], found[1])
-        return out
-
-    def select(
-        self,
-        model: str,
-        tenant: str,
-        block_size: int,
-        candidates: Sequence[Candidate],
-        token_ids: Sequence[int],
-    ) -> Any:
-        """Motor's decision over what ``/query`` answers it.
-
-        When any registered instance holds a block of the prompt, every registered instance
-        is scored, zero hits included (the conductor lists them all, so Motor weighs an idle
-        cold instance against a loaded warm one). When none holds any, the decision is
-        load_balance with reason "no prefix hit on any candidate" (the report's cold request).
-        """
-        cfg = self.scoring_config(block_size)
-        hits: Hits | None = None
-        if len(token_ids) >= block_size:
-            try:
-                found, _, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
-            except RequestError:
-                found = {}
-            if any(x.npu_blocks + x.cpu_blocks + x.disk_blocks for h in found.values() for x in h.values()):
-                hits = found
-        decision = select(cfg, candidates, hits, len(token_ids))
-        if decision.reason in ("no index data", "no index data for any candidate"):
-            decision = dataclasses.replace(decision, reason="no prefix hit on any candidate")
-        return decision
-
-    # ------------------------------------------------------------------ tokenizers
-
-    def tokenizer_for(self, model: str) -> Any:
-        path = self.config.tokenizers.get(model) or self.config.tokenizer_path
-        if not path:
-            raise RequestError(
-                400, "no_tokenizer", "prompt/messages need a tokenizer: set tokenizer_path (or tokenizers) in --config"
-            )
-        with self._lock:
-            tok = self._tokenizers.get(path)
-        if tok is None:
-            from motor_adapter.tokenize import TokenizerError, load_tokenizer
-
-            try:
-                tok = load_tokenizer(path, trust_remote_code=self.config.trust_remote_code)
-            except TokenizerError as exc:
-                raise RequestError(500, "tokenizer_unavailable", str(exc)) from exc
-            with self._lock:
-                self._tokenizers[path] = tok
-        return tok
-
-    def tokens_of(self, model: str, body: Mapping[str, Any]) -> list[int]:
-        """``token_ids`` as given, else ``prompt``/``messages`` through the model's tokenizer."""
-        if body.get("token_ids") is not None:
-            return token_ids_of(body["token_ids"])
-        if body.get("prompt") is None and body.get("messages") is None:
-            raise RequestError(400, "bad_field", "the body needs token_ids, prompt or messages")
-        from motor_adapter.tokenize import TokenizerError, encode_request
-
-        tok = self.tokenizer_for(model)
-        try:
-            return encode_request(tok, body)
-        except TokenizerError as exc:
-            raise RequestError(400, "bad_prompt", str(exc)) from exc
-        except Exception as exc:  # a chat template may raise anything on odd input
-            raise RequestError(400, "bad_prompt", f"{type(exc).__name__}: {exc}") from exc
-
-    # ------------------------------------------------------------------ views
-
-    def workers(self) -> dict[str, Any]:
-        regs = self.registrations()
-        health = self.stream_health()
-        grouped: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for reg in sorted(regs, key=lambda r: r.key):
-            worker = grouped.setdefault(
-                (reg.tenant, reg.model, reg.instance_id),
-                {
-                    "instance_id": reg.instance_id,
-                    "model_name": reg.model,
-                    "tenant_id": reg.tenant,
-                    "block_size": reg.block_size,
-                    "endpoints": {},
-                    "health": {},
-                },
-            )
-            worker["endpoints"][str(reg.dp_rank)] = reg.worker_endpoint()
-            if reg.stream is not None:
-                worker["health"][str(reg.dp_rank)] = [
-                    _as_dict(h) for h in health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
-                ]
-        return {"workers": list(grouped.values())}
-
-    def stream_health(self) -> dict[tuple[str, str, int, str], list[Any]]:
-        with self._lock:
-            entries = list(self._indexes.items())
-        out: dict[tuple[str, str, int, str], list[Any]] = {}
-        for (model, tenant, block_size), entry in entries:
-            for stream, healths in entry.affinity.health().items():
-                out[(model, tenant, block_size, stream)] = list(healths)
-        return out
-
-    def render_metrics(self) -> str:
-        return self.metrics.render(self.stream_health(), self.registrations())
-
-
-def _conductor_answer(
-    plans: Sequence[_Plan],
-    best: Mapping[str, tuple[int, TierCounts]],
-    block_size: int,
-    cfg: KvAffinityConfig,
-    shape: str,
-) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int, TierCounts]]]:
-    """``/query``'s per-instance entries (:func:`scoring.instance_entry` in ``shape``) from each
-    stream's best rank, and the hits listed (instance, dp key, engine rank, hit) for the metrics.
-    Every registered dp is listed."""
-    out: dict[str, dict[str, Any]] = {}
-    observed: list[tuple[str, str, int, TierCounts]] = []
-    for plan in plans:
-        if plan.single:  # one endpoint: its engine ranks fold into the registered dp
-            found = best.get(plan.streams[0][1]) if plan.streams else None
-            if found is None:
-                entry = dp_entry(None, None, block_size)
-            else:
-                entry = dp_entry(found[1], found[0], block_size)
-                observed.append((plan.instance, plan.keys[0], found[0], found[1]))
-            out[plan.instance] = instance_entry({plan.keys[0]: entry}, cfg, block_size, shape)
-            continue
-        per_dp: dict[int, TierCounts] = {}
-        for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
-            found = best.get(stream)
-            if found is not None:
-                per_dp[dp] = found[1]
-        entries: dict[str, dict[str, Any]] = {}
-        for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
-            hit = per_dp.get(dp)
-            if hit is None:
-                entries[dp_key] = dp_entry(None, dp, block_size)
-                continue
-            entries[dp_key] = dp_entry(hit, dp, block_size)
-            observed.append((plan.instance, dp_key, dp, hit))
-        out[plan.instance] = instance_entry(entries, cfg, block_size, shape)
-    return out, observed
-
-
-# --------------------------------------------------------------------------- metrics
-
-_STREAM_FIELDS = (
-    ("batches", "counter", "Batches applied from the stream (heartbeats included)"),
-    ("events", "counter", "KV events applied"),
-    ("gaps", "counter", "Sequence gaps detected"),
-    ("replays", "counter", "Gaps filled by a replay"),
-    ("snapshots", "counter", "Snapshots applied"),
-    ("decode_errors", "counter", "Payloads that failed to decode"),
-    ("dropped_block_size", "counter", "Events dropped for a block_size other than the registered one"),
-    ("restarts", "counter", "Publisher restarts detected"),
-    ("reconnects", "counter", "Reconnections"),
-    ("connected", "gauge", "1 while the stream is live"),
-    ("last_event_age_s", "gauge", "Seconds since the last batch with events"),
-)
-
-
-_TIERS = (("npu", "npu_blocks"), ("cpu", "cpu_blocks"), ("disk", "disk_blocks"))
-_LABELS_MAX = 4096
-_MISSED_SERIES_MAX = 256  # model names come from the network: a bounded set of series, then "<other>"
-_MISSED_LOG_INTERVAL_S = 60.0
-
-
-def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
-    """``instance_hits``' label set, sorted by name as ``Counter.inc`` sorts them."""
-    return (("dp", dp), ("engine_dp_rank", str(rank)), ("instance", instance), ("tier", _TIERS[tier][0]))
-
-
-class _Metrics:
-    def __init__(self) -> None:
-        reg = metrics.Registry()
-        self.registry = reg
-        self.requests = reg.counter("motor_kv_adapter_requests_total", "HTTP requests by path and status")
-        self.bad_requests = reg.counter("motor_kv_adapter_bad_requests_total", "Refused requests by path and reason")
-        self.registrations = reg.counter("motor_kv_adapter_registrations_total", "Registrations that changed state")
-        self.latency = reg.histogram("motor_kv_adapter_query_seconds", "Query latency (index lookup and response)")
-        self.query_blocks = reg.counter("motor_kv_adapter_query_blocks_total", "Full prompt blocks queried")
-        self.hit_blocks = reg.counter(
-            "motor_kv_adapter_query_hit_blocks_total", "Blocks of the best instance's hit, summed over queries"
-        )
-        self.instance_hits = reg.counter(
-            "motor_kv_adapter_instance_hit_blocks_total", "Hit blocks per instance, registered dp, engine rank and tier"
-        )
-        self.unregistered = reg.counter(
-            "motor_kv_adapter_unregistered_queries_total",
-            "Queries for a model with no registration (404 NoIndexer: Motor falls back to load_balance)",
-        )
-        self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
-        # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
-        self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
-        self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
-
-    def observe_hits(
-        self, model: str, hits: Sequence[tuple[str, str, int, TierCounts]], blocks: int, started: float, block_size: int
-    ) -> None:
-        """One query: its latency, its blocks, and per ``(instance, dp key, engine rank, hit)`` the hit tiers.
-
-        Hot path: counts go into cached live cells (:meth:`metrics.Counter.cell`), no label
-        set is built or hashed per query.
-        """
-        per_model = self._model_cells.get(model)
-        if per_model is None:
-            if len(self._model_cells) >= _LABELS_MAX:
-                self._model_cells.clear()  # only a cache: the counters keep their series
-            labels: metrics.Labels = (("model", model),)
-            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
-            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
-        model_labels, queried, hit_blocks = per_model
-        self.latency.observe_labels(time.perf_counter() - started, model_labels)
-        queried[0] += blocks
-        best = 0
-        for instance, dp, rank, hit in hits:
-            counts = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks)
-            best = max(best, sum(counts))
-            cells = self._hit_cells.get((instance, dp, rank))
-            if cells is None:
-                if len(self._hit_cells) >= _LABELS_MAX:
-                    self._hit_cells.clear()
-                cells = self._hit_cells[(instance, dp, rank)] = [None, None, None]
-            for tier, count in enumerate(counts):
-                if count:
-                    cell = cells[tier]
-                    if cell is None:  # a tier's series appears with its first block, as before
-                        cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
-                    cell[0] += count
-        hit_blocks[0] += min(best, blocks)
-
-    def missed_registration(self, model: str, tenant: str) -> None:
-        """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""
-        labels = (model, tenant) if len(self._missed) < _MISSED_SERIES_MAX or (model, tenant) in self._missed else None
-        self.unregistered.inc(model=labels[0] if labels else "<other>", tenant=labels[1] if labels else "<other>")
-        if labels is None:
-            return
-        now = time.monotonic()
-        entry = self._missed.setdefault(labels, [0.0, 0.0])
-        entry[1] += 1
-        if now < entry[0]:
-            return
-        log.warning(
-            "%d quer%s for model %r tenant %r found no registration since the last report: Motor registers an "
-            "instance once, when it adds it, so an adapter that was not running then (or lost it) never learns it; "
-            "re-add the instance in Motor, or send its registration with `motor-kv-adapter register` "
-            "(docs/operations.md)",
-            entry[1],
-            "y" if entry[1] == 1 else "ies",
-            model,
-            tenant,
-        )
-        entry[0], entry[1] = now + _MISSED_LOG_INTERVAL_S, 0.0
-
-    def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
-        names: dict[tuple[str, str, int, str], str] = {}
-        for reg in regs:
-            if reg.stream is not None:
-                key = (reg.model, reg.tenant, reg.block_size, reg.stream)
-                names[key] = ",".join(sorted(filter(None, {names.get(key, ""), f"{reg.instance_id}/{reg.dp_rank}"})))
-        extra: list[metrics.Gauge] = []
-        ratio = metrics.Gauge("motor_kv_adapter_query_hit_ratio", "Hit blocks / queried blocks since start")
-        for labels, total in self.query_blocks.items().items():
-            model = dict(labels)["model"]
-            ratio.set(self.hit_blocks.value(model=model) / total if total else 0.0, model=model)
-        extra.append(ratio)
-        for field, kind, help_text in _STREAM_FIELDS:
-            gauge = metrics.Gauge(
-                f"motor_kv_adapter_stream_{field}" + ("_total" if kind == "counter" else ""), help_text
-            )
-            gauge.kind = kind
-            for key, healths in health.items():
-                for h in healths:
-                    value = getattr(h, field, None)
-                    if value is None:
-                        continue
-                    rank = getattr(h, "dp_rank_override", None)
-                    gauge.set(
-                        float(value),
-                        model=key[0],
-                        tenant=key[1],
-                        stream=getattr(h, "endpoint", key[3]),
-                        registrations=names.get(key, ""),
-                        dp_rank="all" if rank is None else rank,
-                    )
-            extra.append(gauge)
-        return self.registry.render(extra)
-
-
-# --------------------------------------------------------------------------- HTTP
-
-
-def _as_dict(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
-
 
 _ENCODER = msgspec.json.Encoder()
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
@@ -1019,11 +231,11 @@ class _Handlers:
         return web.json_response({"status": "ok", "removed": removed})
 
     def _common(self, body: Mapping[str, Any]) -> tuple[str, str, int]:
-        model = _field_str(body, "model")
+        model = field_str(body, "model")
         tenant = body.get("tenant_id") or DEFAULT_TENANT
         if not isinstance(tenant, str):
             raise RequestError(400, "bad_field", "tenant_id must be a string")
-        return model, tenant, _field_block_size(body, 128)
+        return model, tenant, field_block_size(body, 128)
 
     async def _tokens(self, model: str, body: Mapping[str, Any]) -> list[int]:
         if body.get("token_ids") is not None:
@@ -1053,16 +265,16 @@ class _Handlers:
         model, tenant, block_size = body.common()
         if body.block_hashes is None:
             raise RequestError(400, "bad_field", "block_hashes (a list of 64-bit local block hashes) is required")
-        if any(not _I64_MIN <= h <= _U64_MASK for h in body.block_hashes):
+        if any(not I64_MIN <= h <= U64_MASK for h in body.block_hashes):
             raise RequestError(400, "bad_field", "block_hashes must hold 64-bit integers (u64, or i64)")
-        hashes = [h & _U64_MASK for h in body.block_hashes]
+        hashes = [h & U64_MASK for h in body.block_hashes]
         return _answer(request, self.state.query_by_hash(model, tenant, block_size, hashes))
 
     async def select(self, request: web.Request) -> web.Response:
         body = await self.body(request)
         model, tenant, _ = self._common(body)
-        block_size = _field_block_size(body, self.config.kv_affinity.block_size)
-        candidates = _candidates(body.get("candidates"))
+        block_size = field_block_size(body, self.config.kv_affinity.block_size)
+        candidates = candidates_of(body.get("candidates"))
         tokens = await self._tokens(model, body)
         decision = self.state.select(model, tenant, block_size, candidates, tokens)
         line = decision.log_line(role=str(body.get("role", "prefill")), req_id=str(body.get("req_id", "-")))
@@ -1113,32 +325,6 @@ class _Handlers:
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
-def _candidates(value: Any) -> list[Candidate]:
-    if not isinstance(value, list) or not value:
-        raise RequestError(400, "bad_field", "candidates must be a non-empty list of {instance_id, load}")
-    out: list[Candidate] = []
-    for item in value:
-        if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
-            raise RequestError(400, "bad_field", f"each candidate needs a string instance_id, got {item!r}")
-        load = _load(item.get("load", 0))
-        endpoint = item.get("endpoint")
-        out.append(Candidate(item["instance_id"], load, endpoint if isinstance(endpoint, str) else None))
-    return out
-
-
-def _load(value: Any) -> float:
-    """A candidate's load: a finite number >= 0 (a huge int overflows float, NaN/inf never rank)."""
-    load = math.nan
-    shown = type(value).__name__
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        with contextlib.suppress(OverflowError):  # an int beyond float range (its repr may fail too)
-            load = float(value)
-        shown = repr(load) if not math.isnan(load) or isinstance(value, float) else "an integer beyond float range"
-    if not (math.isfinite(load) and load >= 0):
-        raise RequestError(400, "bad_field", f"candidate load must be a finite number >= 0, got {shown}")
-    return load
-
-
 _UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -1167,7 +353,7 @@ def _request_labels(path: str, status: int) -> metrics.Labels:
     """``requests``' label set, built once per (route, status): paths are routes, so few."""
     labels = _REQUEST_LABELS.get((path, status))
     if labels is None:
-        if len(_REQUEST_LABELS) >= _LABELS_MAX:
+        if len(_REQUEST_LABELS) >= LABELS_MAX:
             _REQUEST_LABELS.clear()
         labels = _REQUEST_LABELS[(path, status)] = (("path", path), ("status", str(status)))
     return labels
@@ -1176,7 +362,7 @@ def _request_labels(path: str, status: int) -> metrics.Labels:
 def build_app(state: AdapterState, registry: DurableRegistrations | None = None) -> web.Application:
     """The HTTP app; ``registry`` defaults to the store ``state.config.registry`` names (memory when unset).
 
-    Raises :class:`~motor_adapter.registry_store.RegistryError` for a registry spec it cannot use.
+    Raises :class:`~motor_adapter.registry.store.RegistryError` for a registry spec it cannot use.
     """
     if registry is None:
         store = open_store(state.config.registry or "memory")

@@ -31,6 +31,10 @@ scope (the whole instance, or one rank in compatibility mode).  Its state machin
 
 Without a replay endpoint a gap or a restart clears the scope and the next batch becomes
 the new baseline; this is logged loudly once.
+
+Why one module over 450 lines: :class:`StreamSubscriber` is the state machine above on one
+thread (live, gap replay, snapshot, reconnect); every transition reads and writes the same
+seq, buffer and index state, and the per-message path is the router's hot path.
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import zmq
 
 from sglang_kvpub import wire
-from sglang_kvpub.security import CurveClientKeys, apply_client, client_keys
+from sglang_kvpub.core.ratelimit import RateLimitedLog
+from sglang_kvpub.transport.curve import CurveClientKeys, apply_client, client_keys
+from sglang_kvpub.transport.replay import ReplayClient
 
 if TYPE_CHECKING:
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
 
 __all__ = ["StreamHealth", "StreamOptions", "StreamSubscriber"]
 
@@ -132,25 +138,6 @@ class _Fetch:
     replies: list[_Item]
 
 
-class _RateLimitedLog:
-    """At most one warning per key and interval; suppressed ones are counted into the next."""
-
-    def __init__(self, interval_s: float = 10.0) -> None:
-        self._interval = interval_s
-        self._next: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next.get(key, 0.0):
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._next[key] = now + self._interval
-        skipped = self._suppressed.pop(key, 0)
-        suffix = f" ({skipped} similar suppressed)" if skipped else ""
-        log.warning(msg + suffix, *args)
-
-
 class StreamSubscriber:
     """Subscribes to one stream and keeps ``index`` equal to what the publisher holds."""
 
@@ -183,7 +170,7 @@ class StreamSubscriber:
             self._curve = client_keys(self.options.curve_server_key, self.options.curve_client_secret_key_file)
         expect = self.options.expect_heartbeats
         self._expect_heartbeats = (dp_rank_override is None) if expect is None else expect
-        self._rlog = _RateLimitedLog()
+        self._rlog = RateLimitedLog(log)
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -652,15 +639,12 @@ class StreamSubscriber:
     def _fetch(self, start_seq: int, *, snapshot: bool) -> _Fetch:
         """One replay request; live batches arriving meanwhile go to the (bounded) buffer."""
         assert self.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        apply_client(dealer, self._curve)
+        client = ReplayClient(self._ctx, self.replay_endpoint, curve=self._curve)
         replies: list[_Item] = []
         try:
-            dealer.connect(self.replay_endpoint)
-            dealer.send_multipart(wire.replay_request_frames(start_seq, snapshot=snapshot))
+            client.request(start_seq, snapshot=snapshot)
             poller = zmq.Poller()
-            poller.register(dealer, zmq.POLLIN)
+            poller.register(client.socket, zmq.POLLIN)
             if self._sub is not None:
                 poller.register(self._sub, zmq.POLLIN)
             deadline = time.monotonic() + self.options.replay_timeout_s
@@ -673,28 +657,26 @@ class StreamSubscriber:
                 events = dict(poller.poll(max(1, int(min(remaining, self.options.poll_s) * 1000))))
                 if self._sub is not None and self._sub in events:
                     self._read_live()
-                if dealer in events:
+                if client.socket in events:
                     self._last_msg = time.monotonic()  # the publisher's process answers: it is up
-                    done = self._read_replies(dealer, replies)
+                    done = self._read_replies(client, replies)
                     if done is not None:
                         return _Fetch(done, replies)
                     deadline = time.monotonic() + self.options.replay_timeout_s
             return _Fetch(False, replies)
         finally:
-            dealer.close(linger=0)
+            client.close()
 
-    def _read_replies(self, dealer: zmq.Socket[bytes], replies: list[_Item]) -> bool | None:
+    def _read_replies(self, client: ReplayClient, replies: list[_Item]) -> bool | None:
         """Reads what is ready; True at the end marker, False when too much, None for more."""
         while True:
             try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return None
-            try:
-                reply = wire.parse_replay_reply(frames)
+                reply = client.recv()
             except wire.WireError as exc:
                 self._bad_input("replay reply", exc)
                 continue
+            if reply is None:
+                return None
             if reply.is_end:
                 return True
             replies.append(_Item(reply.seq, self._decode(reply.payload), hash(reply.payload)))

@@ -18,7 +18,7 @@ import atheris
 
 with atheris.instrument_imports():
     from sglang_kvpub import wire
-    from sglang_kvpub.channel import parse_channel_frames
+    from sglang_kvpub.transport.channel import parse_channel_frames
 
 _DECODER = wire.BatchDecoder(wire.DecodeLimits(max_payload_bytes=1 << 20, max_events=10_000))
 

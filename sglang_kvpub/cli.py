@@ -1,42 +1,13 @@
-"""``sglang-kvpub``: tail any KV-event stream, run the fan-in sidecar, run the demo."""
+"""``sglang-kvpub`` (console script ``sglang_kvpub.cli:main``, and ``python -m sglang_kvpub.cli``).
 
-from __future__ import annotations
+A thin re-export kept at the documented path; the code lives in :mod:`sglang_kvpub.tools.cli`.
+"""
 
-import argparse
-import importlib
 import sys
-from collections.abc import Sequence
 
-# Each subcommand lives in its own module with ``add_parser(subparsers)`` and is imported
-# only when listed here, so ``sglang-kvpub tail`` never pays for the demo's imports.
-_SUBCOMMANDS = (
-    "sglang_kvpub.tail",
-    "sglang_kvpub.sidecar",
-    "sglang_kvpub.demo",
-    "sglang_kvpub.security",
-    "sglang_kvpub.check_config",
-)
+from sglang_kvpub.tools.cli import build_parser, main
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sglang-kvpub", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for module_name in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # subcommand not built yet
-                continue
-            raise
-        module.add_parser(subparsers)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return int(args.run(args) or 0)
-
+__all__ = ["build_parser", "main"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,6 +18,8 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union, get_args
 
+from sglang_kvpub.core.errors import ConfigError
+
 __all__ = [
     "ENV_PREFIX",
     "SGLANG_KEYS",
@@ -64,10 +66,6 @@ PLUGIN_KEYS = (
     "curve_public_key_file",
     "curve_authorized_keys",
 )
-
-
-class ConfigError(ValueError):
-    """A setting the plugin cannot run with; the message names the key and the fix."""
 
 
 def env_name(key: str) -> str:

@@ -72,8 +72,8 @@ def ipc_dir(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(autouse=True)
 def _fresh_plugin_guard() -> Iterator[None]:
-    """A feature a test switched off (sglang_kvpub/guard.py, process-wide) stays off only there."""
-    from sglang_kvpub import guard
+    """A feature a test switched off (sglang_kvpub/engine/guard.py, process-wide) stays off only there."""
+    from sglang_kvpub.engine import guard
 
     guard.reset()
     yield

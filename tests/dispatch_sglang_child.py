@@ -29,7 +29,7 @@ def main() -> None:
     hooks = sglang_real.load_module("sglang.srt.plugins.hook_registry")
     import zmq
 
-    from sglang_kvpub import dispatch
+    from sglang_kvpub.engine import dispatch_hook as dispatch
     from sglang_kvpub.wire import BlockStored, EventBatch
 
     original_rr = dpc.DataParallelController.round_robin_scheduler

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sglang_kvpub import wire
-from sglang_kvpub.hashing import local_block_hashes
+from sglang_kvpub.core.hashing import local_block_hashes
 
 Stream = Sequence[tuple[int, wire.EventBatch]]
 

@@ -22,7 +22,7 @@ from typing import Any
 from kvpub_procs import BLOCK_SIZE, serve_commands
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.core.residency import RankResidency
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, Event, EventBatch
 
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
@@ -77,7 +77,7 @@ def indexed(ranges: dict[int, list[tuple[int, int]]]) -> Truth:
     index never saw is skipped (an orphan: no query can reach it), so a lost batch also
     hides the blocks chained after it.
     """
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
     from sglang_kvpub.wire import enrich_batch
 
     index = PrefixIndex(BLOCK_SIZE)
@@ -93,7 +93,7 @@ def indexed(ranges: dict[int, list[tuple[int, int]]]) -> Truth:
 
 def run_ctl_rank(config: PluginConfig, rank: int, channel: str, commands: Any, answers: Any) -> None:
     """``("publish", start, stop, interval_s)`` publishes that range; ``"stats"``; ``"stop"``."""
-    from sglang_kvpub.rank_publisher import RankPublisher
+    from sglang_kvpub.publish.rank_publisher import RankPublisher
 
     publisher = RankPublisher(config, rank, BLOCK_SIZE, channel)
     answers.put(("ready", rank))
@@ -118,7 +118,7 @@ def run_ctl_rank(config: PluginConfig, rank: int, channel: str, commands: Any, a
 def run_adapter(endpoint: str, replay: str, ranks: int, commands: Any, answers: Any) -> None:
     """The router side alone: answers ``"resident"`` with ``(resident per (rank, medium), health)``."""
     from motor_adapter.stream import StreamOptions, StreamSubscriber
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
 
     index = PrefixIndex(BLOCK_SIZE)
     options = StreamOptions(liveness_s=1.0, replay_timeout_s=0.5, backoff_max_s=0.5, poll_s=0.02)
@@ -149,8 +149,8 @@ def run_load_engine(
 ) -> None:
     """One instance: the fan-in and ``dp_size`` rank publishers (threads), each rank publishing
     ``tree_events`` at ``rate_hz``; reports counts and the largest queue depths seen."""
-    from sglang_kvpub.fanin import FanIn
-    from sglang_kvpub.rank_publisher import RankPublisher
+    from sglang_kvpub.publish.fanin import FanIn
+    from sglang_kvpub.publish.rank_publisher import RankPublisher
 
     fanin = FanIn(config, dp_size, channel_endpoint=channel)
     fanin.start()

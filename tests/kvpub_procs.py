@@ -45,7 +45,7 @@ def batch_events(rank: int, index: int) -> list[Event]:
 
 def run_fanin(config: PluginConfig, dp_size: int, channel: str, ready: Any, commands: Any, answers: Any) -> None:
     """The fan-in in its own process; answers ``"stats"`` commands until ``"stop"``."""
-    from sglang_kvpub.fanin import FanIn
+    from sglang_kvpub.publish.fanin import FanIn
 
     fanin = FanIn(config, dp_size, channel_endpoint=channel)
     fanin.start()
@@ -79,7 +79,7 @@ def run_rank(
     start_index: int = 0,
 ) -> None:
     """Publishes ``count`` batches (forever when count < 0) through a RankPublisher."""
-    from sglang_kvpub.rank_publisher import RankPublisher
+    from sglang_kvpub.publish.rank_publisher import RankPublisher
 
     publisher = RankPublisher(config, rank, BLOCK_SIZE, channel)
     go.wait(30.0)
@@ -100,7 +100,7 @@ def spawn_context() -> Any:
 def run_prompt_rank(config: PluginConfig, rank: int, channel: str, token_ids: list[int], block_size: int) -> None:
     """One rank publisher process announcing ``token_ids`` as stored blocks, then heartbeats
     until killed (the fan-in sees a live rank)."""
-    from sglang_kvpub.rank_publisher import RankPublisher
+    from sglang_kvpub.publish.rank_publisher import RankPublisher
 
     publisher = RankPublisher(config, rank, block_size, channel)
     blocks = len(token_ids) // block_size

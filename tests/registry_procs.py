@@ -28,7 +28,7 @@ import pytest
 from conftest import free_tcp_endpoint, free_tcp_port
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import SimulatedInstance
+from sglang_kvpub.tools.simulator import SimulatedInstance
 
 BS = 16  # page size = registered block size
 MODEL = "dsv4-flash"

@@ -18,7 +18,7 @@ import pytest
 
 from motor_adapter.affinity import KvAffinity, compat_endpoints
 from motor_adapter.scoring import POLICY_AFFINITY, POLICY_LOAD_BALANCE, Candidate, KvAffinityConfig
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
 from sglang_kvpub.wire import MEDIUM_GPU, BlockRemoved, BlockStored, EventBatch
 from tests.conftest import free_port_block, free_tcp_endpoint
 

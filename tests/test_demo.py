@@ -16,8 +16,8 @@ import zmq
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.demo import Demo, Request
-from sglang_kvpub.simulator import Dispatch, PrefillResult, SimulatedInstance, SimulatedRank, engine_block_hashes
+from sglang_kvpub.tools.demo import Demo, Request
+from sglang_kvpub.tools.simulator import Dispatch, PrefillResult, SimulatedInstance, SimulatedRank, engine_block_hashes
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, split_stored
 from tests import e2e_checks
 from tests.conftest import free_tcp_endpoint

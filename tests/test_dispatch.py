@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from sglang_kvpub.dispatch import (
+from sglang_kvpub.core.dispatch import (
     REASON_CACHE_HIT,
     REASON_HOTSPOT,
     REASON_NO_CANDIDATES,
@@ -24,9 +24,9 @@ from sglang_kvpub.dispatch import (
     REASON_SHORT_PROMPT,
     CacheAwareDispatcher,
     InflightLoad,
-    feed_from_fanin,
 )
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.engine.dispatch_hook import feed_from_fanin
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 TESTS = Path(__file__).resolve().parent
@@ -244,7 +244,7 @@ def test_decisions_equal_the_rule_on_the_general_query_on_random_data() -> None:
 
 @pytest.mark.unit
 def test_cold_prompt_hashes_only_its_first_block(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sglang_kvpub.index as index_module
+    import sglang_kvpub.core.index as index_module
 
     d = CacheAwareDispatcher(4, BLOCK)
     held = _tokens(6 * BLOCK)
@@ -276,7 +276,7 @@ def test_feed_through_the_fanin_ingest_path_decodes_and_clears_on_restart() -> N
     from conftest import free_tcp_endpoint
 
     from sglang_kvpub.config import PluginConfig
-    from sglang_kvpub.fanin import FanIn
+    from sglang_kvpub.publish.fanin import FanIn
 
     fanin = FanIn(PluginConfig(endpoint=free_tcp_endpoint(), bind=True), 4, listen_channel=False)
     fanin.start()

@@ -19,10 +19,11 @@ import pytest
 from conftest import free_tcp_endpoint
 from kvpub_procs import run_prompt_rank, spawn_context
 
-from sglang_kvpub import guard
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.dispatch import REASON_CACHE_HIT, attach_dispatcher
-from sglang_kvpub.fanin import FanIn
+from sglang_kvpub.core.dispatch import REASON_CACHE_HIT
+from sglang_kvpub.engine import guard
+from sglang_kvpub.engine.dispatch_hook import attach_dispatcher
+from sglang_kvpub.publish.fanin import FanIn
 
 pytestmark = pytest.mark.integration
 

@@ -20,11 +20,11 @@ from conftest import free_tcp_endpoint
 from kvpub_procs import BLOCK_SIZE, batch_events, hash_of, run_fanin, run_rank, spawn_context
 
 from sglang_kvpub import wire
-from sglang_kvpub.channel import channel_frames, default_channel_endpoint
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.rank_publisher import RankPublisher
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.core.residency import RankResidency
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
+from sglang_kvpub.transport.channel import channel_frames, default_channel_endpoint
 
 pytestmark = pytest.mark.integration
 

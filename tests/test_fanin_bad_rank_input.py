@@ -10,9 +10,9 @@ import pytest
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.rank_publisher import RankPublisher
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.core.residency import RankResidency
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
 
 pytestmark = pytest.mark.integration
 

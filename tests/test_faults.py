@@ -25,10 +25,10 @@ from kvpub_procs import BLOCK_SIZE, run_fanin, spawn_context
 
 from motor_adapter.stream import StreamHealth, StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
-from sglang_kvpub.channel import channel_frames
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.transport.channel import channel_frames
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(90)]
 

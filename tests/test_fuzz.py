@@ -30,11 +30,11 @@ from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import ServiceConfig
 from motor_adapter.stream import StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
-from sglang_kvpub.channel import channel_frames, parse_channel_frames, seqpacket_available
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.index import PrefixIndex
-from sglang_kvpub.packet_channel import PacketPusher, packet_path
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.transport.channel import channel_frames, parse_channel_frames, seqpacket_available
+from sglang_kvpub.transport.packet_channel import PacketPusher, packet_path
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import Server, http
 

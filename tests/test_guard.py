@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from sglang_real import requires_radix_cache
 
-from sglang_kvpub import guard, plugin, reconcile, release_hooks, sglang_compat, tree_cores
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.engine import guard, plugin, reconcile, release_hooks, sglang_compat, tree_cores
 
 pytestmark = pytest.mark.unit
 
@@ -102,7 +102,8 @@ def test_reconcile_failure_disables_reconciliation_only(caplog: pytest.LogCaptur
 
 
 def test_dispatch_failure_falls_back_to_sglang_policy(caplog: pytest.LogCaptureFixture) -> None:
-    from sglang_kvpub.dispatch import CONTROLLER_ATTR, REASON_ERROR, CacheAwareDispatcher, _dispatch_hook
+    from sglang_kvpub.core.dispatch import REASON_ERROR, CacheAwareDispatcher
+    from sglang_kvpub.engine.dispatch_hook import CONTROLLER_ATTR, _dispatch_hook
 
     dispatcher = CacheAwareDispatcher(2, 4)
     chosen: list[Any] = []
@@ -134,7 +135,8 @@ def test_dispatch_failure_falls_back_to_sglang_policy(caplog: pytest.LogCaptureF
 
 
 def test_dispatch_feed_failure_stops_feeding(caplog: pytest.LogCaptureFixture) -> None:
-    from sglang_kvpub.dispatch import CacheAwareDispatcher, feed_from_fanin
+    from sglang_kvpub.core.dispatch import CacheAwareDispatcher
+    from sglang_kvpub.engine.dispatch_hook import feed_from_fanin
     from sglang_kvpub.wire import EventBatch
 
     observers: list[Any] = []

@@ -1,4 +1,4 @@
-"""The one block-key implementation (``sglang_kvpub.hashing``) against a plain reference:
+"""The one block-key implementation (``sglang_kvpub.core.hashing``) against a plain reference:
 XXH3-64 over ``array("I", [t & 0xFFFFFFFF ...])`` bytes, chained - for every input shape
 callers pass (lists, SGLang's ``array("q")``, u32 arrays from the HTTP path, numpy) - and
 against Dynamo's ``compute_block_hash_for_seq`` when it is installed."""
@@ -16,8 +16,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvpub import hashing
-from sglang_kvpub.hashing import (
+from sglang_kvpub.core import hashing
+from sglang_kvpub.core.hashing import (
     BASE_SEED,
     chain_hashes,
     chain_next,

@@ -1,4 +1,4 @@
-"""Unit tests of the shared prefix index (sglang_kvpub.index)."""
+"""Unit tests of the shared prefix index (sglang_kvpub.core.index)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sglang_kvpub.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys, tokens_u32
-from sglang_kvpub.index import (
+from sglang_kvpub.core.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys, tokens_u32
+from sglang_kvpub.core.index import (
     TIER_CPU,
     TIER_DISK,
     TIER_NPU,
@@ -186,7 +186,7 @@ def test_merged_store_equals_single_block_stores() -> None:
 def test_orphans_are_counted_skipped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     idx = PrefixIndex(BS)
     toks = tokens(4)
-    caplog.set_level(logging.DEBUG, logger="sglang_kvpub.index")
+    caplog.set_level(logging.DEBUG, logger="sglang_kvpub.core.index")
     for _ in range(3):
         event = BlockStored(block_hashes=[7, 8], parent_block_hash=99, token_ids=toks[:8], block_size=BS)
         result = idx.apply_event("a", 0, event)
@@ -199,7 +199,7 @@ def test_orphans_are_counted_skipped_and_logged_once(caplog: pytest.LogCaptureFi
 
 def test_block_size_mismatch_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     idx = PrefixIndex(128)
-    caplog.set_level(logging.WARNING, logger="sglang_kvpub.index")
+    caplog.set_level(logging.WARNING, logger="sglang_kvpub.core.index")
     toks = tokens(2, bs=64)
     for _ in range(2):
         event = BlockStored(block_hashes=[1, 2], token_ids=toks, block_size=64, medium=MEDIUM_GPU)

@@ -20,8 +20,8 @@ import random
 
 import pytest
 
-from sglang_kvpub.hashing import local_block_hashes, sequence_keys
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.hashing import local_block_hashes, sequence_keys
+from sglang_kvpub.core.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 dynamo_core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime (dynamo._core) is not installed")

@@ -24,9 +24,9 @@ from interop_procs import DynamoIndexer
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.hashing import sequence_keys
-from sglang_kvpub.rank_publisher import RankPublisher
+from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
 
 pytestmark = [
     pytest.mark.integration,

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from motor_adapter.cli import main
-from motor_adapter.motor import Finding, RegistrationError, check_config, parse_registration, parse_unregistration
+from motor_adapter.config_check import Finding, check_config
+from motor_adapter.registration import RegistrationError, parse_registration, parse_unregistration
 from motor_adapter.service import ServiceConfig
+from motor_adapter.tools.cli import main
 
 pytestmark = pytest.mark.unit
 

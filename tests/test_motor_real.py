@@ -2,7 +2,7 @@
 
 Motor's REAL ``ConductorApiClient`` and ``KvCacheAffinityPolicy`` (in a child process, see
 ``tests/motor_real_child.py``) and Motor's REAL coordinator (``python -m motor.coordinator.main``
-via ``motor_adapter.motor_coordinator``) talk HTTP to the adapter as a real server process;
+via ``motor_adapter.tools.motor_coordinator``) talk HTTP to the adapter as a real server process;
 hits come from real rank publishers and the real fan-in (``SimulatedInstance``: only the
 scheduler's prefix cache is simulated). Two SGLang instances sit on 127.0.0.1 and 127.0.0.2
 (Motor derives each instance's stream URL from its endpoint IP and one configured port).
@@ -29,9 +29,9 @@ from typing import Any
 
 import pytest
 
-from motor_adapter.motor_coordinator import Coordinator, instance_event, topology, user_config
+from motor_adapter.tools.motor_coordinator import Coordinator, instance_event, topology, user_config
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import SimulatedInstance
+from sglang_kvpub.tools.simulator import SimulatedInstance
 from tests.conftest import free_tcp_port
 from tests.test_tokenize import _build_tokenizer
 

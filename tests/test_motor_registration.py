@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.simulator import SimulatedInstance
+from sglang_kvpub.tools.simulator import SimulatedInstance
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import (
     BS,

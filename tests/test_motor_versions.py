@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from motor_adapter.scoring import KvAffinityConfig, conductor_response
-from sglang_kvpub.index import TierHit
+from sglang_kvpub.core.index import TierHit
 
 pytestmark = pytest.mark.unit
 

@@ -18,12 +18,13 @@ import pytest
 import zmq
 from conftest import free_tcp_endpoint
 
-from sglang_kvpub import packet_channel, wire
-from sglang_kvpub.channel import parse_channel_message, seqpacket_available
+from sglang_kvpub import wire
 from sglang_kvpub.config import ConfigError, PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.packet_channel import PACKET_BYTES, PacketListener, PacketPusher, packet_path
-from sglang_kvpub.rank_publisher import RankPublisher
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
+from sglang_kvpub.transport import packet_channel
+from sglang_kvpub.transport.channel import parse_channel_message, seqpacket_available
+from sglang_kvpub.transport.packet_channel import PACKET_BYTES, PacketListener, PacketPusher, packet_path
 
 pytestmark = [
     pytest.mark.integration,

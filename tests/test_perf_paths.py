@@ -24,10 +24,10 @@ from motor_adapter.scoring import KvAffinityConfig, fold_engine_dps, weighted_bl
 from motor_adapter.service import RequestError, u32_tokens
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.hashing import sequence_keys
-from sglang_kvpub.index import TierHit
-from sglang_kvpub.residency import RankResidency, RawBatch, RawStored, raw_batch_decoder
+from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.core.index import TierHit
+from sglang_kvpub.core.residency import RankResidency, RawBatch, RawStored, raw_batch_decoder
+from sglang_kvpub.publish.fanin import FanIn
 
 pytestmark = pytest.mark.unit
 

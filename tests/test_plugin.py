@@ -26,9 +26,10 @@ import zmq
 from conftest import free_port_block, free_tcp_port
 from sglang_real import TESTS_DIR, requires_sglang_full, requires_sglang_kv_events
 
-from sglang_kvpub import plugin, sglang_compat, wire
+from sglang_kvpub import wire
 from sglang_kvpub.config import ConfigError
-from sglang_kvpub.sglang_compat import IncompatibleSGLang, Topology
+from sglang_kvpub.engine import plugin, sglang_compat
+from sglang_kvpub.engine.sglang_compat import IncompatibleSGLang, Topology
 
 needs_sglang = requires_sglang_kv_events
 PAGE = 128
@@ -371,7 +372,7 @@ def test_plugin_flag_through_sglang_real_argument_parsing() -> None:
 
 RANK_BODY = """
 sglang_real.prepare("light", server_args_placeholder=True)
-import sglang_kvpub.sglang_compat as compat
+import sglang_kvpub.engine.sglang_compat as compat
 p = PARAMS
 # The scheduler's runtime context needs a loaded model; state what it would say.
 compat.scheduler_topology = lambda: compat.Topology(

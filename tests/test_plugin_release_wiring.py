@@ -27,7 +27,7 @@ sglang_real.load_radix_cache()
 if {scheduler}:
     sys.modules.setdefault("sglang.srt.managers.scheduler", types.ModuleType("sglang.srt.managers.scheduler"))
 from sglang.srt.plugins.hook_registry import HookRegistry
-from sglang_kvpub import plugin
+from sglang_kvpub.engine import plugin
 plugin.register()
 print(json.dumps(sorted(HookRegistry._hooks)))
 """
@@ -42,7 +42,7 @@ def _registered_targets(scheduler: bool) -> list[str]:
 
 
 def test_scheduler_process_gets_release_hooks_and_reconciliation() -> None:
-    from sglang_kvpub.reconcile import IDLE_TARGET
+    from sglang_kvpub.engine.reconcile import IDLE_TARGET
 
     targets = _registered_targets(scheduler=True)
     assert IDLE_TARGET in targets
@@ -52,7 +52,7 @@ def test_scheduler_process_gets_release_hooks_and_reconciliation() -> None:
 
 
 def test_other_processes_do_not_hook_the_tree() -> None:
-    from sglang_kvpub.reconcile import IDLE_TARGET
+    from sglang_kvpub.engine.reconcile import IDLE_TARGET
 
     targets = _registered_targets(scheduler=False)
     assert IDLE_TARGET not in targets

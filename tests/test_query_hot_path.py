@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from motor_adapter.scoring import KvAffinityConfig, best_rank
 from motor_adapter.service import _Prompt, _PromptCache
 from sglang_kvpub import wire
-from sglang_kvpub.hashing import sequence_keys
-from sglang_kvpub.index import PrefixIndex, TierHit
+from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.core.index import PrefixIndex, TierHit
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import (  # noqa: F401  (pytest fixtures shared with test_service)
     BS,

@@ -13,9 +13,9 @@ import zmq
 from conftest import free_tcp_endpoint
 
 from sglang_kvpub import wire
-from sglang_kvpub.channel import parse_channel_frames
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.rank_publisher import INLINE_MAX_EVENTS, RankPublisher
+from sglang_kvpub.publish.rank_publisher import INLINE_MAX_EVENTS, RankPublisher
+from sglang_kvpub.transport.channel import parse_channel_frames
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ pytest.importorskip("torch")
 pytest.importorskip("sglang")
 
 from bench import rh_trees as rt
-from sglang_kvpub.reconcile import Reconciler, device_pages, drift
-from sglang_kvpub.release_hooks import tree_of
+from sglang_kvpub.engine.reconcile import Reconciler, device_pages, drift
+from sglang_kvpub.engine.release_hooks import tree_of
 from sglang_kvpub.wire import MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -95,7 +95,7 @@ def test_changes_during_walk_are_left_to_events() -> None:
 def test_scan_resumes_after_events_resize_announced(monkeypatch: pytest.MonkeyPatch) -> None:
     """Events between scan slices resize the announced dict: the scan restarts, skips what it
     checked, and still finds every stale hash (and nothing live)."""
-    import sglang_kvpub.reconcile as rc
+    import sglang_kvpub.engine.reconcile as rc
 
     monkeypatch.setattr(rc, "_SCAN_PER_CHECK", 4)
     tree = _filled(rt.legacy_tree)

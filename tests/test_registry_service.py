@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import zmq
 
-from motor_adapter.cli import main
-from motor_adapter.motor import check_config
-from motor_adapter.registrations import DurableRegistrations
-from motor_adapter.registry_file import FileStore
-from motor_adapter.registry_store import Record
+from motor_adapter.config_check import check_config
+from motor_adapter.registry.durable import DurableRegistrations
+from motor_adapter.registry.file import FileStore
+from motor_adapter.registry.store import Record
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import AdapterState, ServiceConfig
+from motor_adapter.tools.cli import main
 from sglang_kvpub import wire
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import (  # noqa: F401  (pytest fixtures shared with test_service)

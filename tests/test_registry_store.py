@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from motor_adapter.register_cli import motor_body
-from motor_adapter.registry_etcd import EtcdStore
-from motor_adapter.registry_file import FORMAT, VERSION, FileStore
-from motor_adapter.registry_store import (
+from motor_adapter.registry.etcd import EtcdStore
+from motor_adapter.registry.file import FORMAT, VERSION, FileStore
+from motor_adapter.registry.spec import open_store
+from motor_adapter.registry.store import (
     MemoryStore,
     Record,
     RegistryError,
     default_registry_spec,
     default_state_file,
-    open_store,
 )
+from motor_adapter.tools.register_cli import motor_body
 
 pytestmark = pytest.mark.unit
 

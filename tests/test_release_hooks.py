@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from bench import rh_trees as rt
-from sglang_kvpub.reconcile import Reconciler, device_pages, drift
-from sglang_kvpub.release_hooks import _OUTER_HOOKS, UNIFIED_CORE_CLASS, hook_targets, tree_armed, tree_of
+from sglang_kvpub.engine.reconcile import Reconciler, device_pages, drift
+from sglang_kvpub.engine.release_hooks import _OUTER_HOOKS, UNIFIED_CORE_CLASS, hook_targets, tree_armed, tree_of
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from bench import rh_trees as rt
-from sglang_kvpub.reconcile import Reconciler, drift
-from sglang_kvpub.release_hooks import Tracker, tree_of
+from sglang_kvpub.engine.reconcile import Reconciler, drift
+from sglang_kvpub.engine.release_hooks import Tracker, tree_of
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_kvpub.residency import BYTES_PER_BLOCK_OVERHEAD, RankResidency
+from sglang_kvpub.core.residency import BYTES_PER_BLOCK_OVERHEAD, RankResidency
 from sglang_kvpub.wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -204,7 +204,7 @@ def _in_cycle(res: RankResidency, start: int, medium: str) -> bool:
 def test_snapshot_emits_a_parent_held_only_in_another_medium_first() -> None:
     """A device block whose parent page was demoted to host memory: parent first, so a
     consumer resolving parents per rank never meets an unknown one."""
-    from sglang_kvpub.index import PrefixIndex
+    from sglang_kvpub.core.index import PrefixIndex
     from sglang_kvpub.wire import EventBatch
 
     tokens = [[10 * b + j for j in range(4)] for b in range(3)]

@@ -23,10 +23,10 @@ from conftest import free_tcp_endpoint
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.index import PrefixIndex
-from sglang_kvpub.rank_publisher import RankPublisher, take_resync_request
-from sglang_kvpub.residency import RankResidency
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.residency import RankResidency
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher, take_resync_request
 
 pytestmark = pytest.mark.integration
 
@@ -234,8 +234,8 @@ def test_new_fanin_converges_through_idle_resync_on_real_tree(kind: str, ctx: zm
     import sglang_real
 
     from bench import rh_trees as rt
-    from sglang_kvpub.reconcile import RESYNC_FANIN, Reconciler, drift, reconcile_on_idle
-    from sglang_kvpub.release_hooks import tree_of
+    from sglang_kvpub.engine.reconcile import RESYNC_FANIN, Reconciler, drift, reconcile_on_idle
+    from sglang_kvpub.engine.release_hooks import tree_of
 
     space = ns()
     kv_events = sglang_real.load_kv_events()
@@ -349,7 +349,7 @@ def test_resync_reannounces_gpu_and_host_pages_of_real_unified_core() -> None:
     from test_release_l2_trace import HostDriver, _backup_all
 
     from bench import rh_trees as rt
-    from sglang_kvpub.reconcile import Reconciler, drift
+    from sglang_kvpub.engine.reconcile import Reconciler, drift
 
     ns()
     driver = HostDriver()

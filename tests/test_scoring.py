@@ -25,7 +25,7 @@ from sglang_kvpub.wire import MEDIUM_GPU, BlockStored, EventBatch
 pytestmark = pytest.mark.unit
 
 try:  # the real index when it is there; the scoring only needs the three tier counts
-    _index_mod: Any = importlib.import_module("sglang_kvpub.index")
+    _index_mod: Any = importlib.import_module("sglang_kvpub.core.index")
     TierHit: Any = _index_mod.TierHit
 except ImportError:
     _index_mod = None
@@ -41,7 +41,7 @@ except ImportError:
             return self.npu_blocks + self.cpu_blocks + self.disk_blocks
 
 
-needs_index = pytest.mark.skipif(_index_mod is None, reason="sglang_kvpub.index is not there yet")
+needs_index = pytest.mark.skipif(_index_mod is None, reason="sglang_kvpub.core.index is not there yet")
 
 BS = 128
 CFG = KvAffinityConfig()

@@ -16,10 +16,13 @@ import zmq
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import ServiceConfig
 from motor_adapter.stream import StreamOptions, StreamSubscriber
-from sglang_kvpub import security, wire
+from sglang_kvpub import wire
 from sglang_kvpub.config import ConfigError, PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.ratelimit import RateLimiter
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.tools import keygen
+from sglang_kvpub.transport import curve as security
 from tests.conftest import free_tcp_endpoint
 from tests.test_service import Server, http
 
@@ -42,7 +45,7 @@ def _store(fanin: FanIn, rank_seq: int, block: int) -> None:
 @pytest.mark.unit
 def test_keygen_writes_a_private_pair_and_config_validates(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
-    security.add_parser(parser.add_subparsers())
+    keygen.add_parser(parser.add_subparsers())
     args = parser.parse_args(["keygen", "--dir", str(tmp_path), "--name", "fanin"])
     assert args.run(args) == 0
     public, secret = tmp_path / "fanin.key", tmp_path / "fanin.key_secret"
@@ -66,7 +69,7 @@ def test_keygen_writes_a_private_pair_and_config_validates(tmp_path: Path) -> No
 
 @pytest.mark.unit
 def test_rate_limiter_token_bucket_is_bounded() -> None:
-    limiter = security.RateLimiter(rate=2.0, burst=3, max_clients=100)
+    limiter = RateLimiter(rate=2.0, burst=3, max_clients=100)
     assert [limiter.allow("a", 0.0) for _ in range(4)] == [True, True, True, False]
     assert limiter.allow("b", 0.0)  # per client
     assert not limiter.allow("a", 0.2) and limiter.allow("a", 0.6)  # refills at 2/s

@@ -24,7 +24,7 @@ from aiohttp import web
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import AdapterState, ServiceConfig, build_app
 from sglang_kvpub import wire
-from sglang_kvpub.hashing import local_block_hashes
+from sglang_kvpub.core.hashing import local_block_hashes
 from tests.conftest import free_port_block, free_tcp_endpoint, free_tcp_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motor_adapter.affinity import KvAffinity
-from motor_adapter.motor import Registration, Unregistration
+from motor_adapter.registration import Registration, Unregistration
 from motor_adapter.scoring import KvAffinityConfig, conductor_response
 from motor_adapter.service import AdapterState, RequestError, ServiceConfig, u32_tokens
 from sglang_kvpub import wire
-from sglang_kvpub.hashing import chain_hashes, local_block_hashes, sequence_keys
+from sglang_kvpub.core.hashing import chain_hashes, local_block_hashes, sequence_keys
 
 pytestmark = pytest.mark.unit
 

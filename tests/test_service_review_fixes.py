@@ -17,9 +17,9 @@ import pytest
 import zmq
 
 from motor_adapter import affinity as affinity_module
-from motor_adapter import service
+from motor_adapter import state as state_module
 from motor_adapter.affinity import KvAffinity
-from motor_adapter.motor import MAX_COMPAT_DP
+from motor_adapter.registration import MAX_COMPAT_DP
 from motor_adapter.scoring import ConfigError
 from motor_adapter.service import MAX_STREAMS_ENV, AdapterState, ServiceConfig
 from tests.conftest import free_tcp_endpoint, free_tcp_port
@@ -75,7 +75,7 @@ def fake_subscribers(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeSubsc
     FakeSubscriber.hold = None
     FakeSubscriber.stopping = threading.Event()
     FakeSubscriber.log = []
-    monkeypatch.setattr(service, "KvAffinity", functools.partial(KvAffinity, subscriber_factory=FakeSubscriber))
+    monkeypatch.setattr(state_module, "KvAffinity", functools.partial(KvAffinity, subscriber_factory=FakeSubscriber))
     yield FakeSubscriber
     if FakeSubscriber.hold is not None:
         FakeSubscriber.hold.set()

@@ -18,7 +18,7 @@ from conftest import free_port_block, free_tcp_endpoint
 
 from motor_adapter.stream import StreamHealth, StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -337,7 +337,7 @@ def test_compat_without_replay_endpoint_clears_rank_on_gap(
 
 
 def test_real_fanin_snapshot_live_rank_restart_and_fanin_restart(ctx: zmq.Context[Any]) -> None:
-    fanin_mod = pytest.importorskip("sglang_kvpub.fanin")
+    fanin_mod = pytest.importorskip("sglang_kvpub.publish.fanin")
     from sglang_kvpub.config import PluginConfig
 
     endpoint, replay = free_tcp_endpoint(), free_tcp_endpoint()

@@ -9,7 +9,7 @@ import pytest
 from motor_adapter import stream
 from motor_adapter.stream import StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
-from sglang_kvpub.index import PrefixIndex
+from sglang_kvpub.core.index import PrefixIndex
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from conftest import free_tcp_endpoint
 
-from sglang_kvpub import tail, wire
+from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.fanin import FanIn
-from sglang_kvpub.rank_publisher import RankPublisher
+from sglang_kvpub.publish.fanin import FanIn
+from sglang_kvpub.publish.rank_publisher import RankPublisher
+from sglang_kvpub.tools import tail
 
 BLOCK = 4
 
@@ -200,7 +201,7 @@ def test_describe_batch_counts_by_type_and_medium() -> None:
 
 @pytest.mark.unit
 def test_from_seq_without_replay_endpoint_is_a_usage_error() -> None:
-    from sglang_kvpub.cli import build_parser
+    from sglang_kvpub.tools.cli import build_parser
 
     args = build_parser().parse_args(["tail", "tcp://127.0.0.1:1", "--from-seq", "3"])
     err = io.StringIO()

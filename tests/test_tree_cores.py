@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_kvpub import tree_cores
+from sglang_kvpub.engine import tree_cores
 
 pytestmark = pytest.mark.unit
 

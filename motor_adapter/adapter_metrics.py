@@ -1,0 +1,159 @@
+"""The adapter's Prometheus series (``GET /metrics``): requests, queries, hits per instance and tier, streams."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from motor_adapter import metrics
+from motor_adapter.registration import Registration
+from motor_adapter.scoring import TierCounts
+from sglang_kvpub.core.tiers import TIERS
+
+__all__ = ["AdapterMetrics", "LABELS_MAX"]
+
+log = logging.getLogger(__name__)
+
+_STREAM_FIELDS = (
+    ("batches", "counter", "Batches applied from the stream (heartbeats included)"),
+    ("events", "counter", "KV events applied"),
+    ("gaps", "counter", "Sequence gaps detected"),
+    ("replays", "counter", "Gaps filled by a replay"),
+    ("snapshots", "counter", "Snapshots applied"),
+    ("decode_errors", "counter", "Payloads that failed to decode"),
+    ("dropped_block_size", "counter", "Events dropped for a block_size other than the registered one"),
+    ("restarts", "counter", "Publisher restarts detected"),
+    ("reconnects", "counter", "Reconnections"),
+    ("connected", "gauge", "1 while the stream is live"),
+    ("last_event_age_s", "gauge", "Seconds since the last batch with events"),
+)
+
+
+_TIERS = tuple((tier, f"{tier}_blocks") for tier in TIERS)
+LABELS_MAX = 4096
+_MISSED_SERIES_MAX = 256  # model names come from the network: a bounded set of series, then "<other>"
+_MISSED_LOG_INTERVAL_S = 60.0
+
+
+def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
+    """``instance_hits``' label set, sorted by name as ``Counter.inc`` sorts them."""
+    return (("dp", dp), ("engine_dp_rank", str(rank)), ("instance", instance), ("tier", _TIERS[tier][0]))
+
+
+class AdapterMetrics:
+    def __init__(self) -> None:
+        reg = metrics.Registry()
+        self.registry = reg
+        self.requests = reg.counter("motor_kv_adapter_requests_total", "HTTP requests by path and status")
+        self.bad_requests = reg.counter("motor_kv_adapter_bad_requests_total", "Refused requests by path and reason")
+        self.registrations = reg.counter("motor_kv_adapter_registrations_total", "Registrations that changed state")
+        self.latency = reg.histogram("motor_kv_adapter_query_seconds", "Query latency (index lookup and response)")
+        self.query_blocks = reg.counter("motor_kv_adapter_query_blocks_total", "Full prompt blocks queried")
+        self.hit_blocks = reg.counter(
+            "motor_kv_adapter_query_hit_blocks_total", "Blocks of the best instance's hit, summed over queries"
+        )
+        self.instance_hits = reg.counter(
+            "motor_kv_adapter_instance_hit_blocks_total", "Hit blocks per instance, registered dp, engine rank and tier"
+        )
+        self.unregistered = reg.counter(
+            "motor_kv_adapter_unregistered_queries_total",
+            "Queries for a model with no registration (404 NoIndexer: Motor falls back to load_balance)",
+        )
+        self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
+        # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
+        self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
+        self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
+
+    def observe_hits(
+        self, model: str, hits: Sequence[tuple[str, str, int, TierCounts]], blocks: int, started: float, block_size: int
+    ) -> None:
+        """One query: its latency, its blocks, and per ``(instance, dp key, engine rank, hit)`` the hit tiers.
+
+        Hot path: counts go into cached live cells (:meth:`metrics.Counter.cell`), no label
+        set is built or hashed per query.
+        """
+        per_model = self._model_cells.get(model)
+        if per_model is None:
+            if len(self._model_cells) >= LABELS_MAX:
+                self._model_cells.clear()  # only a cache: the counters keep their series
+            labels: metrics.Labels = (("model", model),)
+            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
+            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
+        model_labels, queried, hit_blocks = per_model
+        self.latency.observe_labels(time.perf_counter() - started, model_labels)
+        queried[0] += blocks
+        best = 0
+        for instance, dp, rank, hit in hits:
+            counts = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks)
+            best = max(best, sum(counts))
+            cells = self._hit_cells.get((instance, dp, rank))
+            if cells is None:
+                if len(self._hit_cells) >= LABELS_MAX:
+                    self._hit_cells.clear()
+                cells = self._hit_cells[(instance, dp, rank)] = [None, None, None]
+            for tier, count in enumerate(counts):
+                if count:
+                    cell = cells[tier]
+                    if cell is None:  # a tier's series appears with its first block, as before
+                        cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
+                    cell[0] += count
+        hit_blocks[0] += min(best, blocks)
+
+    def missed_registration(self, model: str, tenant: str) -> None:
+        """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""
+        labels = (model, tenant) if len(self._missed) < _MISSED_SERIES_MAX or (model, tenant) in self._missed else None
+        self.unregistered.inc(model=labels[0] if labels else "<other>", tenant=labels[1] if labels else "<other>")
+        if labels is None:
+            return
+        now = time.monotonic()
+        entry = self._missed.setdefault(labels, [0.0, 0.0])
+        entry[1] += 1
+        if now < entry[0]:
+            return
+        log.warning(
+            "%d quer%s for model %r tenant %r found no registration since the last report: Motor registers an "
+            "instance once, when it adds it, so an adapter that was not running then (or lost it) never learns it; "
+            "re-add the instance in Motor, or send its registration with `motor-kv-adapter register` "
+            "(docs/operations.md)",
+            entry[1],
+            "y" if entry[1] == 1 else "ies",
+            model,
+            tenant,
+        )
+        entry[0], entry[1] = now + _MISSED_LOG_INTERVAL_S, 0.0
+
+    def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
+        names: dict[tuple[str, str, int, str], str] = {}
+        for reg in regs:
+            if reg.stream is not None:
+                key = (reg.model, reg.tenant, reg.block_size, reg.stream)
+                names[key] = ",".join(sorted(filter(None, {names.get(key, ""), f"{reg.instance_id}/{reg.dp_rank}"})))
+        extra: list[metrics.Gauge] = []
+        ratio = metrics.Gauge("motor_kv_adapter_query_hit_ratio", "Hit blocks / queried blocks since start")
+        for labels, total in self.query_blocks.items().items():
+            model = dict(labels)["model"]
+            ratio.set(self.hit_blocks.value(model=model) / total if total else 0.0, model=model)
+        extra.append(ratio)
+        for field, kind, help_text in _STREAM_FIELDS:
+            gauge = metrics.Gauge(
+                f"motor_kv_adapter_stream_{field}" + ("_total" if kind == "counter" else ""), help_text
+            )
+            gauge.kind = kind
+            for key, healths in health.items():
+                for h in healths:
+                    value = getattr(h, field, None)
+                    if value is None:
+                        continue
+                    rank = getattr(h, "dp_rank_override", None)
+                    gauge.set(
+                        float(value),
+                        model=key[0],
+                        tenant=key[1],
+                        stream=getattr(h, "endpoint", key[3]),
+                        registrations=names.get(key, ""),
+                        dp_rank="all" if rank is None else rank,
+                    )
+            extra.append(gauge)
+        return self.registry.render(extra)

@@ -1,0 +1,136 @@
+"""The HTTP contract of the conductor API: request bodies, field checks and the refusal type.
+
+What a client may send (``QueryBody`` is decoded and validated in C, the hot path) and how a
+bad request is refused (:class:`RequestError`: status, stable reason, detail).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from array import array
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Union
+
+import msgspec
+
+from motor_adapter.registration import DEFAULT_TENANT
+from motor_adapter.scoring import Candidate
+
+__all__ = [
+    "I64_MIN",
+    "U64_MASK",
+    "field_str",
+    "field_block_size",
+    "candidates_of",
+    "QueryBody",
+    "RequestError",
+    "MSGPACK_TYPES",
+    "token_ids_of",
+    "u32_tokens",
+    "as_dict",
+]
+
+
+_U32_MAX = 0xFFFFFFFF
+U64_MASK = (1 << 64) - 1
+I64_MIN = -(1 << 63)
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
+_BLOCK_SIZE = Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
+
+
+class RequestError(Exception):
+    """A request we refuse: HTTP ``status``, a stable ``reason`` and a human ``detail``."""
+
+    def __init__(self, status: int, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+class QueryBody(msgspec.Struct, kw_only=True):
+    """``/query`` and ``/query_by_hash``: decoded AND validated in C (the hot path)."""
+
+    model: Union[str, None] = None
+    block_size: _BLOCK_SIZE = 128
+    tenant_id: Union[str, None] = None
+    token_ids: Union[list[int], None] = None  # range-checked by u32_tokens in one C call
+    block_hashes: Union[list[int], None] = None  # i64 or u64: range checked by the handler
+    prompt: Any = None
+    messages: Any = None
+    tools: Any = None
+
+    def common(self) -> tuple[str, str, int]:
+        if not self.model:
+            raise RequestError(400, "bad_field", "model must be a non-empty string")
+        return self.model, self.tenant_id or DEFAULT_TENANT, self.block_size
+
+
+# --------------------------------------------------------------------------- request fields
+
+
+def field_str(body: Mapping[str, Any], key: str, default: Union[str, None] = None) -> str:
+    value = body.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise RequestError(400, "bad_field", f"{key} must be a non-empty string")
+    return value
+
+
+def field_block_size(body: Mapping[str, Any], default: int) -> int:
+    value = body.get("block_size", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= 1 << 20:
+        raise RequestError(400, "bad_field", f"block_size must be a positive integer, got {value!r}")
+    return value
+
+
+def token_ids_of(value: Any) -> list[int]:
+    """Validated token ids: integers in [0, 2^32) (the conductor hashes them as u32)."""
+    try:
+        return msgspec.convert(value, list[_U32])
+    except msgspec.ValidationError as exc:
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+
+
+def u32_tokens(tokens: Sequence[int]) -> array[int]:
+    """Token ids packed as u32 in one C call, which is also the range check [0, 2^32)."""
+    try:
+        return array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+
+
+def candidates_of(value: Any) -> list[Candidate]:
+    if not isinstance(value, list) or not value:
+        raise RequestError(400, "bad_field", "candidates must be a non-empty list of {instance_id, load}")
+    out: list[Candidate] = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("instance_id"), str):
+            raise RequestError(400, "bad_field", f"each candidate needs a string instance_id, got {item!r}")
+        load = _load(item.get("load", 0))
+        endpoint = item.get("endpoint")
+        out.append(Candidate(item["instance_id"], load, endpoint if isinstance(endpoint, str) else None))
+    return out
+
+
+def _load(value: Any) -> float:
+    """A candidate's load: a finite number >= 0 (a huge int overflows float, NaN/inf never rank)."""
+    load = math.nan
+    shown = type(value).__name__
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an int beyond float range (its repr may fail too)
+            load = float(value)
+        shown = repr(load) if not math.isnan(load) or isinstance(value, float) else "an integer beyond float range"
+    if not (math.isfinite(load) and load >= 0):
+        raise RequestError(400, "bad_field", f"candidate load must be a finite number >= 0, got {shown}")
+    return load
+
+
+def as_dict(value: Any) -> Any:
+    """A dataclass instance as a dict (JSON answers), anything else as it is."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

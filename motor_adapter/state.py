@@ -1,0 +1,534 @@
+"""The adapter's state: registrations, one prefix index per (model, tenant, block_size), queries.
+
+One :class:`~motor_adapter.affinity.KvAffinity` (one prefix index) per ``(model, tenant,
+block_size)``; one subscription per distinct stream URL in it, shared by every registration
+naming that URL. ``/query`` lists every registered dp of the model, zeros included (conductor
+semantics), with a fanned-in instance's engine ranks folded into its registered dp and
+``engine_dp_rank`` naming the rank that holds the prefix.
+
+Over 450 lines on purpose: :class:`AdapterState` is one lock (``_lock``) over registrations,
+subscriptions and the cached query views; the invariants between them (a view is rebuilt
+when a registration changes, a subscription lives while a registration uses its stream) are
+easier to keep when every method that takes the lock is in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
+
+from motor_adapter.adapter_metrics import AdapterMetrics
+from motor_adapter.affinity import KvAffinity
+from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
+from motor_adapter.registration import (
+    Registration,
+    Unregistration,
+)
+from motor_adapter.scoring import (
+    Candidate,
+    KvAffinityConfig,
+    TierCounts,
+    best_rank,
+    dp_entry,
+    fold_engine_dps,
+    instance_entry,
+    select,
+)
+from motor_adapter.settings import ServiceConfig
+from sglang_kvpub.core.hashing import chain_hashes, sequence_keys
+
+__all__ = ["AdapterState", "AffinityFactory", "Hits"]
+
+log = logging.getLogger(__name__)
+
+_MAX_REGISTRATIONS = 1 << 16  # registration records (cheap, but a flood must not grow them forever)
+_CONFIGS_MAX = 64  # cached scoring configs: block_size comes from the network
+
+AffinityFactory = Callable[[KvAffinityConfig, Union[int, None]], KvAffinity]
+Hits = dict[str, dict[int, TierCounts]]
+
+
+@dataclasses.dataclass
+class _Index:
+    affinity: KvAffinity
+    users: dict[str, set[tuple[str, str, str, int]]]  # stream URL -> registration keys
+    costs: dict[str, int] = dataclasses.field(default_factory=dict)  # stream URL -> subscriptions it runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One registered instance as ``/query`` renders it at one block_size."""
+
+    instance: str
+    dps: list[int]  # registered dps, sorted
+    keys: tuple[str, ...]  # the same as JSON keys
+    streams: tuple[tuple[int, str], ...]  # (dp, stream URL) of the registrations usable at this block_size
+    single: bool  # one registration: its stream's engine ranks fold into its dp
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What a query of ``(model, tenant, block_size)`` needs, grouped once per registration change."""
+
+    regs: list[Registration]
+    affinity: Union[KvAffinity, None]
+    plans: tuple[_Plan, ...]
+
+
+_VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
+
+
+def _plans(regs: Sequence[Registration], block_size: int) -> tuple[_Plan, ...]:
+    groups: dict[str, list[Registration]] = {}
+    for reg in regs:  # registration order: the response lists instances in it
+        groups.setdefault(reg.instance_id, []).append(reg)
+    plans = []
+    for instance, members in groups.items():
+        dps = sorted(r.dp_rank for r in members)
+        usable = tuple((r.dp_rank, r.stream) for r in members if r.block_size == block_size and r.stream is not None)
+        plans.append(_Plan(instance, dps, tuple(str(dp) for dp in dps), usable, len(members) == 1))
+    return tuple(plans)
+
+
+def _index_key(reg: Registration) -> tuple[str, str, int]:
+    return (reg.model, reg.tenant, reg.block_size)
+
+
+def _cost(reg: Registration) -> int:
+    """Subscriptions a registration's stream runs: one, or one per rank in compat mode."""
+    return reg.compat_dp_size or 1
+
+
+def _run(stops: Sequence[tuple[KvAffinity, str]], starts: Sequence[tuple[KvAffinity, Registration]]) -> None:
+    """Stops, then starts, subscriptions (joins and spawns threads: never under ``_lock``)."""
+    for affinity, url in stops:
+        affinity.remove_instance(url)
+    for affinity, reg in starts:
+        assert reg.stream is not None
+        affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
+
+
+def _source(reg: Registration) -> tuple[Any, ...]:
+    """What a subscription depends on: equal sources share one subscriber and its index."""
+    return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
+
+
+class AdapterState:
+    """Registrations, indexes and tokenizers; the HTTP layer is a thin shell around it."""
+
+    def __init__(self, config: ServiceConfig, affinity_factory: AffinityFactory | None = None) -> None:
+        self.config = config
+        self._factory: AffinityFactory = affinity_factory or (
+            lambda cfg, cap: KvAffinity(
+                cfg,
+                cap,
+                curve_server_keys=config.curve_server_keys,
+                curve_client_secret_key_file=config.curve_client_secret_key_file,
+            )
+        )
+        self._lock = threading.RLock()  # registrations may change while queries read them
+        self._reg_lock = threading.Lock()  # orders registration changes; queries never take it
+        self._registrations: dict[tuple[str, str, str, int], Registration] = {}
+        self._indexes: dict[tuple[str, str, int], _Index] = {}
+        self._tokenizers: dict[str, Any] = {}
+        self._configs: dict[int, KvAffinityConfig] = {}
+        self._views: dict[tuple[str, str, int], _View] = {}  # cleared on every registration change
+        self.metrics = AdapterMetrics()
+
+    # ------------------------------------------------------------------ registration
+
+    def register(self, reg: Registration) -> dict[str, Any]:
+        """Adds or replaces one ``(instance_id, dp_rank)``; the same registration again is a no-op.
+
+        Subscribers start and stop outside ``_lock`` (joining threads takes a while and queries
+        take that lock on a view-cache miss); ``_reg_lock`` orders registration changes.
+        Raises 429 ``too_many_streams`` / ``too_many_registrations`` past the caps. If the
+        subscription cannot start, the previous state is restored and the error re-raised.
+        """
+        with self._reg_lock:
+            with self._lock:
+                old = self._registrations.get(reg.key)
+                if old is not None and old.same_as(reg):
+                    return {"status": "ok", "changed": False, "warnings": list(reg.warnings)}
+                resubscribe = old is None or _source(old) != _source(reg)
+                if old is None and len(self._registrations) >= _MAX_REGISTRATIONS:
+                    raise RequestError(429, "too_many_registrations", f"{_MAX_REGISTRATIONS} registrations")
+                if resubscribe:
+                    self._check_streams(old, reg)
+                self._registrations[reg.key] = reg
+                self._views.clear()
+                # Same stream (e.g. Motor's pool-mode re-registration repeating the URL under
+                # cpu/disk): the record changes, the subscription and its index stay.
+                stops = self._unbook(old) if resubscribe and old is not None else []
+                starts = self._book(reg) if resubscribe else []
+            try:
+                _run(stops, starts)
+            except Exception:
+                log.exception("register %s dp %d: following %s failed", reg.instance_id, reg.dp_rank, reg.stream)
+                self._roll_back(old, reg)
+                raise
+        for warning in reg.warnings:
+            log.warning("register %s dp %d: %s", reg.instance_id, reg.dp_rank, warning)
+        log.info(
+            "registered %s dp %d model=%s tenant=%s block_size=%d stream=%s mode=%s",
+            reg.instance_id, reg.dp_rank, reg.model, reg.tenant, reg.block_size, reg.stream, reg.mode,
+        )  # fmt: skip
+        self.metrics.registrations.inc(changed=str(old is not None).lower())
+        return {"status": "ok", "changed": True, "warnings": list(reg.warnings)}
+
+    def _streams(self) -> dict[tuple[tuple[str, str, int], str], int]:
+        """Subscriptions followed now: ``(index key, URL) -> subscriber count`` (under ``_lock``)."""
+        return {(key, url): cost for key, entry in self._indexes.items() for url, cost in entry.costs.items()}
+
+    def _check_streams(self, old: Registration | None, reg: Registration) -> None:
+        """429 when replacing ``old`` by ``reg`` would follow more than ``max_streams`` (under ``_lock``)."""
+        streams = self._streams()
+        before = sum(streams.values())
+        if old is not None and old.stream is not None:
+            entry = self._indexes.get(_index_key(old))
+            if entry is not None and entry.users.get(old.stream, set()) <= {old.key}:
+                streams.pop((_index_key(old), old.stream), None)
+        if reg.stream is not None:
+            streams[(_index_key(reg), reg.stream)] = _cost(reg)
+        after = sum(streams.values())
+        limit = self.config.max_streams
+        if after > limit and after > before:
+            detail = f"following {reg.stream} would make {after} subscriptions > max_streams {limit}"
+            raise RequestError(429, "too_many_streams", detail)
+
+    def _book(self, reg: Registration) -> list[tuple[KvAffinity, Registration]]:
+        """Records ``reg`` as a user of its stream (under ``_lock``); returns the subscription to start."""
+        key = _index_key(reg)
+        entry = self._indexes.get(key)
+        if entry is None:
+            cfg = self.scoring_config(reg.block_size)
+            entry = self._indexes[key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
+        if reg.stream is None:
+            return []
+        entry.users.setdefault(reg.stream, set()).add(reg.key)
+        entry.costs[reg.stream] = _cost(reg)
+        # Idempotent for the same source; a different mode or replay URL replaces the subscription.
+        return [(entry.affinity, reg)]
+
+    def _unbook(self, reg: Registration) -> list[tuple[KvAffinity, str]]:
+        """Forgets ``reg`` as a user of its stream (under ``_lock``); returns the subscription to
+        stop when it was the last registration naming that URL."""
+        entry = self._indexes.get(_index_key(reg))
+        if entry is None or reg.stream is None:
+            return []
+        users = entry.users.get(reg.stream)
+        if users is None:
+            return []
+        users.discard(reg.key)
+        if users:
+            return []
+        del entry.users[reg.stream]
+        entry.costs.pop(reg.stream, None)
+        return [(entry.affinity, reg.stream)]
+
+    def _roll_back(self, old: Registration | None, reg: Registration) -> None:
+        """Undoes a registration whose subscription failed: ``old`` again (re-followed), or nothing."""
+        with self._lock:
+            if self._registrations.get(reg.key) is reg:
+                if old is None:
+                    del self._registrations[reg.key]
+                else:
+                    self._registrations[reg.key] = old
+            self._views.clear()
+            stops = self._unbook(reg)
+            starts = self._book(old) if old is not None else []
+            entry = self._indexes.get(_index_key(reg))
+            users = entry.users.get(reg.stream, set()) if entry is not None and reg.stream is not None else set()
+            if users and not stops:  # a failed replace may have stopped the URL other registrations share
+                survivor = self._registrations.get(next(iter(users)))
+                if survivor is not None:
+                    starts += self._book(survivor)
+        try:
+            _run(stops, starts)
+        except Exception:
+            log.exception("register %s dp %d: restoring the previous subscription failed", reg.instance_id, reg.dp_rank)
+
+    def unregister(self, unreg: Unregistration) -> int:
+        with self._reg_lock:
+            with self._lock:
+                gone = [
+                    reg
+                    for key, reg in self._registrations.items()
+                    if reg.instance_id == unreg.instance_id
+                    and reg.tenant == unreg.tenant
+                    and (unreg.dp_rank is None or reg.dp_rank == unreg.dp_rank)
+                    and (unreg.model is None or reg.model == unreg.model)
+                ]
+                stops: list[tuple[KvAffinity, str]] = []
+                for reg in gone:
+                    del self._registrations[reg.key]
+                    stops += self._unbook(reg)
+                if gone:
+                    self._views.clear()
+            _run(stops, [])  # joins subscriber threads: outside _lock, so queries go on
+        return len(gone)
+
+    def registrations(self, model: str | None = None, tenant: str | None = None) -> list[Registration]:
+        with self._lock:
+            return [
+                r
+                for r in self._registrations.values()
+                if (model is None or r.model == model) and (tenant is None or r.tenant == tenant)
+            ]
+
+    def scoring_config(self, block_size: int) -> KvAffinityConfig:
+        """The configured weights at ``block_size`` (cached, bounded: building one validates it)."""
+        cfg = self._configs.get(block_size)
+        if cfg is None:
+            cfg = dataclasses.replace(self.config.kv_affinity, block_size=block_size)
+            if len(self._configs) >= _CONFIGS_MAX:  # block_size is network input: never grow forever
+                self._configs = {}
+            self._configs[block_size] = cfg
+        return cfg
+
+    def affinity(self, model: str, tenant: str, block_size: int) -> KvAffinity | None:
+        with self._lock:
+            entry = self._indexes.get((model, tenant, block_size))
+            return entry.affinity if entry else None
+
+    def close(self) -> None:
+        with self._reg_lock:
+            with self._lock:
+                entries = list(self._indexes.values())
+                self._indexes.clear()
+                self._registrations.clear()
+                self._views.clear()
+            for entry in entries:
+                entry.affinity.close()
+
+    # ------------------------------------------------------------------ queries
+
+    def _view(self, model: str, tenant: str, block_size: int) -> _View:
+        """The cached grouping of ``(model, tenant)``'s registrations; 404 ``NoIndexer`` without any."""
+        key = (model, tenant, block_size)
+        view = self._views.get(key)  # lock-free read: a registration change replaces the whole dict entry
+        if view is not None:
+            return view
+        with self._lock:
+            regs = [r for r in self._registrations.values() if r.model == model and r.tenant == tenant]
+            if not regs:
+                self.metrics.missed_registration(model, tenant)
+                raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
+            entry = self._indexes.get(key)
+            view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
+            if len(self._views) >= _VIEWS_MAX:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def instance_hits(
+        self, model: str, tenant: str, block_size: int, fetch: Callable[[KvAffinity], Mapping[str, Any]]
+    ) -> tuple[Hits, dict[str, list[int]], list[Registration]]:
+        """Per registered instance its hits (engine ranks, or registered dps when it has several).
+
+        Raises 404 ``NoIndexer`` when nothing is registered for ``(model, tenant)``.
+        """
+        view = self._view(model, tenant, block_size)
+        raw = fetch(view.affinity) if view.affinity is not None else {}
+        hits: Hits = {}
+        dps: dict[str, list[int]] = {}
+        for plan in view.plans:
+            dps[plan.instance] = list(plan.dps)
+            if plan.single:
+                hits[plan.instance] = dict(raw.get(plan.streams[0][1], {})) if plan.streams else {}
+                continue
+            per_dp: dict[int, TierCounts] = {}
+            for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
+                folded = fold_engine_dps(raw.get(stream, {}), self.config.kv_affinity)
+                if folded is not None:
+                    per_dp[dp] = folded
+            hits[plan.instance] = per_dp
+        return hits, dps, list(view.regs)
+
+    def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
+        started = time.perf_counter()
+        keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
+        return self._keys_response(model, tenant, block_size, keys, len(token_ids) // block_size, started)
+
+    def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
+        started = time.perf_counter()
+        keys = chain_hashes(local_hashes)
+        return self._keys_response(model, tenant, block_size, keys, len(keys), started)
+
+    def query_keys(
+        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float | None = None
+    ) -> dict[str, Any]:
+        """``/query``'s answer for a prompt's chained block keys (``blocks`` full blocks asked)."""
+        return self._keys_response(model, tenant, block_size, keys, blocks, started or time.perf_counter())
+
+    def _keys_response(
+        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
+    ) -> dict[str, Any]:
+        """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path (same JSON)."""
+        view = self._view(model, tenant, block_size)
+        cfg, shape = self.scoring_config(block_size), self.config.query_shape
+        best = self._best_ranks(view, keys, block_size)
+        out, observed = _conductor_answer(view.plans, best, block_size, cfg, shape)
+        self.metrics.observe_hits(model, observed, blocks, started, block_size)
+        return {tenant: out}
+
+    def _best_ranks(self, view: _View, keys: list[int], block_size: int) -> Mapping[str, tuple[int, TierCounts]]:
+        """Per stream holding block 0: ``(engine rank, hit)`` of its best rank (``best_rank``)."""
+        if view.affinity is None:
+            return {}
+        best = view.affinity.best_for_keys(keys)  # one pass while only NPU holds blocks
+        if best is not None:
+            return best
+        cfg = self.scoring_config(block_size)
+        out: dict[str, tuple[int, TierCounts]] = {}
+        for stream, ranks in view.affinity.hits_for_keys(keys).items():
+            found = best_rank(ranks, cfg)
+            if found is not None:
+                out[stream] = (found[0], found[1])
+        return out
+
+    def select(
+        self,
+        model: str,
+        tenant: str,
+        block_size: int,
+        candidates: Sequence[Candidate],
+        token_ids: Sequence[int],
+    ) -> Any:
+        """Motor's decision over what ``/query`` answers it.
+
+        When any registered instance holds a block of the prompt, every registered instance
+        is scored, zero hits included (the conductor lists them all, so Motor weighs an idle
+        cold instance against a loaded warm one). When none holds any, the decision is
+        load_balance with reason "no prefix hit on any candidate" (the report's cold request).
+        """
+        cfg = self.scoring_config(block_size)
+        hits: Hits | None = None
+        if len(token_ids) >= block_size:
+            try:
+                found, _, _ = self.instance_hits(model, tenant, block_size, lambda aff: aff.query(token_ids))
+            except RequestError:
+                found = {}
+            if any(x.npu_blocks + x.cpu_blocks + x.disk_blocks for h in found.values() for x in h.values()):
+                hits = found
+        decision = select(cfg, candidates, hits, len(token_ids))
+        if decision.reason in ("no index data", "no index data for any candidate"):
+            decision = dataclasses.replace(decision, reason="no prefix hit on any candidate")
+        return decision
+
+    # ------------------------------------------------------------------ tokenizers
+
+    def tokenizer_for(self, model: str) -> Any:
+        path = self.config.tokenizers.get(model) or self.config.tokenizer_path
+        if not path:
+            raise RequestError(
+                400, "no_tokenizer", "prompt/messages need a tokenizer: set tokenizer_path (or tokenizers) in --config"
+            )
+        with self._lock:
+            tok = self._tokenizers.get(path)
+        if tok is None:
+            from motor_adapter.tokenize import TokenizerError, load_tokenizer
+
+            try:
+                tok = load_tokenizer(path, trust_remote_code=self.config.trust_remote_code)
+            except TokenizerError as exc:
+                raise RequestError(500, "tokenizer_unavailable", str(exc)) from exc
+            with self._lock:
+                self._tokenizers[path] = tok
+        return tok
+
+    def tokens_of(self, model: str, body: Mapping[str, Any]) -> list[int]:
+        """``token_ids`` as given, else ``prompt``/``messages`` through the model's tokenizer."""
+        if body.get("token_ids") is not None:
+            return token_ids_of(body["token_ids"])
+        if body.get("prompt") is None and body.get("messages") is None:
+            raise RequestError(400, "bad_field", "the body needs token_ids, prompt or messages")
+        from motor_adapter.tokenize import TokenizerError, encode_request
+
+        tok = self.tokenizer_for(model)
+        try:
+            return encode_request(tok, body)
+        except TokenizerError as exc:
+            raise RequestError(400, "bad_prompt", str(exc)) from exc
+        except Exception as exc:  # a chat template may raise anything on odd input
+            raise RequestError(400, "bad_prompt", f"{type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------ views
+
+    def workers(self) -> dict[str, Any]:
+        regs = self.registrations()
+        health = self.stream_health()
+        grouped: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for reg in sorted(regs, key=lambda r: r.key):
+            worker = grouped.setdefault(
+                (reg.tenant, reg.model, reg.instance_id),
+                {
+                    "instance_id": reg.instance_id,
+                    "model_name": reg.model,
+                    "tenant_id": reg.tenant,
+                    "block_size": reg.block_size,
+                    "endpoints": {},
+                    "health": {},
+                },
+            )
+            worker["endpoints"][str(reg.dp_rank)] = reg.worker_endpoint()
+            if reg.stream is not None:
+                worker["health"][str(reg.dp_rank)] = [
+                    as_dict(h) for h in health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
+                ]
+        return {"workers": list(grouped.values())}
+
+    def stream_health(self) -> dict[tuple[str, str, int, str], list[Any]]:
+        with self._lock:
+            entries = list(self._indexes.items())
+        out: dict[tuple[str, str, int, str], list[Any]] = {}
+        for (model, tenant, block_size), entry in entries:
+            for stream, healths in entry.affinity.health().items():
+                out[(model, tenant, block_size, stream)] = list(healths)
+        return out
+
+    def render_metrics(self) -> str:
+        return self.metrics.render(self.stream_health(), self.registrations())
+
+
+def _conductor_answer(
+    plans: Sequence[_Plan],
+    best: Mapping[str, tuple[int, TierCounts]],
+    block_size: int,
+    cfg: KvAffinityConfig,
+    shape: str,
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int, TierCounts]]]:
+    """``/query``'s per-instance entries (:func:`scoring.instance_entry` in ``shape``) from each
+    stream's best rank, and the hits listed (instance, dp key, engine rank, hit) for the metrics.
+    Every registered dp is listed."""
+    out: dict[str, dict[str, Any]] = {}
+    observed: list[tuple[str, str, int, TierCounts]] = []
+    for plan in plans:
+        if plan.single:  # one endpoint: its engine ranks fold into the registered dp
+            found = best.get(plan.streams[0][1]) if plan.streams else None
+            if found is None:
+                entry = dp_entry(None, None, block_size)
+            else:
+                entry = dp_entry(found[1], found[0], block_size)
+                observed.append((plan.instance, plan.keys[0], found[0], found[1]))
+            out[plan.instance] = instance_entry({plan.keys[0]: entry}, cfg, block_size, shape)
+            continue
+        per_dp: dict[int, TierCounts] = {}
+        for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
+            found = best.get(stream)
+            if found is not None:
+                per_dp[dp] = found[1]
+        entries: dict[str, dict[str, Any]] = {}
+        for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
+            hit = per_dp.get(dp)
+            if hit is None:
+                entries[dp_key] = dp_entry(None, dp, block_size)
+                continue
+            entries[dp_key] = dp_entry(hit, dp, block_size)
+            observed.append((plan.instance, dp_key, dp, hit))
+        out[plan.instance] = instance_entry(entries, cfg, block_size, shape)
+    return out, observed

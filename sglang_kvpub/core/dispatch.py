@@ -1,0 +1,372 @@
+"""Cache-aware DP dispatch inside one SGLang instance (plugin option ``dp_dispatch: "cache_aware"``).
+
+SGLang's DataParallelController sends a request without an explicit rank round-robin (or
+by load), so a hot prefix lands on the rank that holds it only 1/N of the time.  The
+controller process also runs the fan-in, which sees every rank's KV events: this module
+keeps a :class:`~sglang_kvpub.core.index.PrefixIndex` of them and sends each request to the
+rank with the lowest Motor-style cost::
+
+    matched_r = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
+    cost_r    = prefill_load_scale * max(0, isl - overlap_credit * matched_r) + load_weight * load_r
+
+with the router's block keys (:mod:`sglang_kvpub.core.hashing`), so a rank the router thinks
+holds a prefix is the rank this dispatcher picks.  Hot-spot guard: when the chosen rank's
+load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
+hotspot_relative * mean load)``, the least loaded candidate wins instead (reason
+``hotspot``).  A prompt shorter than one block gets no decision (SGLang's own policy).
+
+The SGLang edge (the controller hooks and the fan-in feed) lives in
+:mod:`sglang_kvpub.engine.dispatch_hook`; this module is the pure policy and names no SGLang
+class.  See docs/dispatch.md.
+
+Never blocks: a decision takes the index lock for one walk over the prompt's keys, which
+are hashed lazily as the walk pulls them (block 0 before the lock, later blocks in growing
+chunks), so hashing stops at the first block no rank holds - a cold prompt hashes one
+block, a hit little more than its depth; the fan-in applies events in chunks of at most
+``observe_chunk_blocks`` blocks, so the lock is never held for a whole large batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from sglang_kvpub.core.hashing import BASE_SEED, lora_seed, tokens_u32
+from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.wire import AllBlocksCleared, BlockStored, Event, EventBatch
+
+__all__ = [
+    "REASON_CACHE_HIT",
+    "REASON_NO_HIT",
+    "REASON_HOTSPOT",
+    "REASON_SHORT_PROMPT",
+    "REASON_NO_CANDIDATES",
+    "REASON_NO_TOKENS",
+    "REASON_EXPLICIT",
+    "REASON_ERROR",
+    "REASONS",
+    "DispatchDecision",
+    "InflightLoad",
+    "CacheAwareDispatcher",
+]
+
+log = logging.getLogger(__name__)
+
+# Decision reasons (metrics keys).  ``rank`` is None for the last five: SGLang's policy runs.
+REASON_CACHE_HIT = "cache_hit"  # lowest cost, some rank holds a prefix
+REASON_NO_HIT = "no_hit"  # no rank holds block 0: lowest cost = least loaded
+REASON_HOTSPOT = "hotspot"  # guard: the cheapest rank was overloaded, least loaded instead
+REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block
+REASON_NO_CANDIDATES = "no_candidates"  # no active rank with a load figure
+REASON_NO_TOKENS = "no_tokens"  # input_embeds / multimodal-only request: nothing to hash
+REASON_EXPLICIT = "explicit"  # routed_dp_rank set: SGLang routed it (counted by the hook)
+REASON_ERROR = "error"  # the dispatcher failed: SGLang's policy ran
+REASONS = (
+    REASON_CACHE_HIT,
+    REASON_NO_HIT,
+    REASON_HOTSPOT,
+    REASON_SHORT_PROMPT,
+    REASON_NO_CANDIDATES,
+    REASON_NO_TOKENS,
+    REASON_EXPLICIT,
+    REASON_ERROR,
+)
+
+LOCAL_INSTANCE = "local"
+_NO_HIT = (0, 0, 0)
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class DispatchDecision:
+    """One dispatch: ``rank`` None means "SGLang's own policy"; ``matched_tokens`` and the
+    tier blocks are the chosen rank's hit; ``cost``/``load`` its figures (None if unranked)."""
+
+    rank: int | None
+    reason: str
+    isl: int
+    matched_tokens: int = 0
+    npu_blocks: int = 0
+    cpu_blocks: int = 0
+    disk_blocks: int = 0
+    load: float | None = None
+    cost: float | None = None
+
+    def log_line(self) -> str:
+        """Motor's ``scheduled`` line shape, logged by the controller at info level per request."""
+        if self.rank is None:
+            return f"dp_dispatch policy=default matched=None reason={self.reason} isl={self.isl}"
+        return (
+            f"dp_dispatch policy=cache_aware dp_rank={self.rank} reason={self.reason} isl={self.isl} "
+            f"matched={self.matched_tokens} hbm={self.npu_blocks} cpu={self.cpu_blocks} disk={self.disk_blocks} "
+            f"load={self.load:g} score={self.cost:g}"
+        )
+
+
+class InflightLoad:
+    """Fallback load per rank when SGLang's load snapshots are missing or stale: the
+    prefill tokens this controller dispatched, decaying with ``half_life_s`` (the
+    controller never sees completions, so "in flight" is estimated, not counted)."""
+
+    def __init__(self, dp_size: int, half_life_s: float = 2.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self._rate = math.log(2.0) / half_life_s
+        self._values = [0.0] * dp_size
+        self._stamp: float | None = None
+
+    def _decay(self, now: float) -> None:
+        if self._stamp is None:
+            self._stamp = now
+        elapsed = now - self._stamp
+        if elapsed > 0:
+            factor = math.exp(-self._rate * elapsed)
+            self._values = [v * factor for v in self._values]
+            self._stamp = now
+
+    def add(self, rank: int, tokens: float, now: float | None = None) -> None:
+        self._decay(time.monotonic() if now is None else now)
+        if 0 <= rank < len(self._values):
+            self._values[rank] += tokens
+
+    def values(self, now: float | None = None) -> list[float]:
+        self._decay(time.monotonic() if now is None else now)
+        return list(self._values)
+
+
+class CacheAwareDispatcher:
+    """Picks a DP rank per request from the ranks' cached prefixes and loads (module docstring).
+
+    ``observe`` is called from the fan-in thread, ``choose`` from the controller loop; both
+    are thread safe.  ``index`` may be shared (then ``instance`` names this engine in it).
+    """
+
+    def __init__(
+        self,
+        dp_size: int,
+        block_size: int,
+        *,
+        load_weight: float = 1.0,
+        prefill_load_scale: float = 1.0,
+        overlap_credit: float = 1.0,
+        hotspot_spread: float | None = 16384.0,
+        hotspot_relative: float | None = 1.0,
+        w_npu: float = 1.0,
+        w_cpu: float = 1.0,
+        w_disk: float = 0.0,
+        index: PrefixIndex | None = None,
+        instance: str = LOCAL_INSTANCE,
+        capacity_blocks: int | None = 2_000_000,
+        observe_chunk_blocks: int = 64,
+    ) -> None:
+        if dp_size <= 0:
+            raise ValueError(f"dp_size must be positive, got {dp_size}")
+        if index is not None and index.block_size != block_size:
+            raise ValueError(f"index block_size {index.block_size} != dispatcher block_size {block_size}")
+        self.dp_size = dp_size
+        self.block_size = block_size
+        self.load_weight = load_weight
+        self.prefill_load_scale = prefill_load_scale
+        self.overlap_credit = overlap_credit
+        self.hotspot_spread = hotspot_spread
+        self.hotspot_relative = hotspot_relative
+        self.weights = (w_npu, w_cpu, w_disk)
+        self.index = index if index is not None else PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+        self.instance = instance
+        self.observe_chunk_blocks = max(1, observe_chunk_blocks)
+        self.inflight = InflightLoad(dp_size)
+        # Per rank: (wall time, tokens) committed since SGLang's last load snapshot of it.
+        self.commits: list[list[tuple[float, float]]] = [[] for _ in range(dp_size)]
+        self._rank_list = list(range(dp_size))  # never handed out for mutation
+        self._rotation = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._matched_tokens = 0
+        self._stats_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ events
+
+    def observe(self, batch: EventBatch, dp_rank: int | None = None) -> None:
+        """One rank batch (``dp_rank``, else ``batch.dp_rank``, else 0) into the index, in
+        chunks of at most ``observe_chunk_blocks`` blocks so ``choose`` never waits long."""
+        rank = dp_rank if dp_rank is not None else (batch.dp_rank if batch.dp_rank is not None else 0)
+        chunk: list[Event] = []
+        blocks = 0
+        for event in batch.events:
+            for piece in self._pieces(event):
+                chunk.append(piece)
+                blocks += 1 if isinstance(piece, AllBlocksCleared) else len(piece.block_hashes)
+                if blocks >= self.observe_chunk_blocks:
+                    self.index.apply_batch(self.instance, EventBatch(batch.ts, chunk, rank), rank)
+                    chunk, blocks = [], 0
+        if chunk:
+            self.index.apply_batch(self.instance, EventBatch(batch.ts, chunk, rank), rank)
+
+    def _pieces(self, event: Event) -> Iterable[Event]:
+        """A merged store longer than a chunk, split into parent-linked stores."""
+        size = self.observe_chunk_blocks
+        if type(event) is not BlockStored or len(event.block_hashes) <= size:
+            return (event,)
+        pieces: list[Event] = []
+        hashes = event.block_hashes
+        tokens_per_block = event.block_size or self.block_size
+        for start in range(0, len(hashes), size):
+            end = min(start + size, len(hashes))
+            parent = event.parent_block_hash if start == 0 else hashes[start - 1]
+            pieces.append(
+                msgspec.structs.replace(
+                    event,
+                    block_hashes=hashes[start:end],
+                    parent_block_hash=parent,
+                    token_ids=event.token_ids[start * tokens_per_block : end * tokens_per_block],
+                )
+            )
+        return pieces
+
+    def rank_restarted(self, dp_rank: int) -> None:
+        """The rank's cache is gone (new rank epoch): forget what it held."""
+        self.index.clear_rank(self.instance, dp_rank)
+
+    # ------------------------------------------------------------------ decisions
+
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[float],
+        *,
+        candidates: Sequence[int] | None = None,
+        lora_name: str | None = None,
+    ) -> DispatchDecision:
+        """The rank for a prompt given per-rank ``loads`` (indexed by rank; any unit, the
+        same as the prefill cost's - SGLang's token counts by default).  ``candidates``:
+        the ranks allowed (default all with a load figure).  Counted per reason."""
+        decision = self._decide(token_ids, loads, candidates, lora_name)
+        self.count(decision.reason, decision.matched_tokens)
+        return decision
+
+    def count(self, reason: str, matched_tokens: int = 0) -> None:
+        with self._stats_lock:
+            self._counts[reason] += 1
+            self._matched_tokens += matched_tokens
+
+    def _decide(
+        self,
+        token_ids: Sequence[int],
+        loads: Sequence[float],
+        candidates: Sequence[int] | None,
+        lora_name: str | None,
+    ) -> DispatchDecision:
+        isl = len(token_ids)
+        if isl < self.block_size:
+            return DispatchDecision(None, REASON_SHORT_PROMPT, isl)
+        ranks = self._ranks(candidates, len(loads))
+        if not ranks:
+            return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
+        hits = self._hits(token_ids, lora_name)
+        # Rotate the scan start so equal costs spread over ranks instead of piling on the first.
+        self._rotation = start = (self._rotation + 1) % len(ranks)
+        order = ranks[start:] + ranks[:start]
+        weight = self.load_weight
+        miss = self._prefill(0, isl)  # every rank without a hit
+        if ranks is self._rank_list and type(loads) is list and len(loads) == len(ranks):
+            rank_loads = loads[start:] + loads[:start]  # order is the rotated range
+        else:
+            rank_loads = [loads[rank] for rank in order]
+        if hits:
+            prefill = self._prefills(hits, isl)
+            costs = [prefill.get(rank, miss) + weight * load for rank, load in zip(order, rank_loads, strict=True)]
+        else:
+            costs = [miss + weight * load for load in rank_loads]
+        best_cost = min(costs)
+        # First among equals in the rotated order (a strict "<" scan from infinity).
+        best = order[costs.index(best_cost)] if best_cost < math.inf else order[0]
+        best_matched = self._matched(hits[best], isl) if best in hits and best_cost < math.inf else 0
+        reason = REASON_CACHE_HIT if best_matched > 0 else REASON_NO_HIT
+        least_load = min(rank_loads)
+        if self._hotspot(loads[best] - least_load, sum(rank_loads) / len(order)):
+            best, reason = order[rank_loads.index(least_load)], REASON_HOTSPOT
+            best_matched = self._matched(hits[best], isl) if best in hits else 0
+            best_cost = self._prefill(best_matched, isl) + weight * loads[best]
+        npu, cpu, disk = hits.get(best, _NO_HIT)
+        return DispatchDecision(best, reason, isl, best_matched, npu, cpu, disk, float(loads[best]), float(best_cost))
+
+    def _prefill(self, matched: int, isl: int) -> float:
+        """The prefill part of a rank's cost when it holds ``matched`` tokens."""
+        return self.prefill_load_scale * max(0.0, isl - self.overlap_credit * matched)
+
+    def _prefills(self, hits: dict[int, tuple[int, int, int]], isl: int) -> dict[int, float]:
+        """Prefill cost per rank with a hit; ranks sharing a hit tuple (the index hands one
+        object to every NPU-only rank ending at the same block) share one computation."""
+        out: dict[int, float] = {}
+        last: tuple[int, int, int] | None = None
+        cost = 0.0
+        for rank, hit in hits.items():
+            if hit is not last:
+                last = hit
+                cost = self._prefill(self._matched(hit, isl), isl)
+            out[rank] = cost
+        return out
+
+    def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
+        """The candidate ranks with a load figure (the caller's list when all have one)."""
+        if candidates is None:
+            if size >= self.dp_size:
+                return self._rank_list
+            candidates = self._rank_list
+        elif candidates == self._rank_list and size >= self.dp_size:
+            return self._rank_list  # every rank active (the usual case)
+        elif type(candidates) is list and candidates and min(candidates) >= 0 and max(candidates) < size:
+            return candidates
+        return [r for r in candidates if 0 <= r < size]
+
+    def _matched(self, hit: tuple[int, int, int], isl: int) -> int:
+        w_npu, w_cpu, w_disk = self.weights
+        weighted = hit[0] * w_npu + hit[1] * w_cpu + hit[2] * w_disk
+        return min(round(weighted * self.block_size), isl)
+
+    def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, tuple[int, int, int]]:
+        """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0.
+        The prompt is converted to u32 once (SGLang's ``array("q")`` costs a conversion);
+        its blocks are hashed as the index walk reaches them, so a cold prompt hashes one
+        block and a hit little more than its depth."""
+        blocks = len(token_ids) // self.block_size
+        raw = memoryview(tokens_u32(token_ids, blocks * self.block_size)).cast("B")  # slices copy nothing
+        seed = lora_seed(lora_name) if lora_name else BASE_SEED
+        return self.index.longest_prefixes_u32(self.instance, raw, blocks, seed)
+
+    def _hotspot(self, spread: float, mean: float) -> bool:
+        """Whether the chosen rank, ``spread`` above the least loaded, is a hot spot."""
+        if spread <= 0 or (self.hotspot_spread is None and self.hotspot_relative is None):
+            return False
+        limit = 0.0
+        if self.hotspot_spread is not None:
+            limit = self.hotspot_spread
+        if self.hotspot_relative is not None:
+            limit = max(limit, self.hotspot_relative * mean)
+        return spread > limit
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions per reason (every reason present), matched tokens, index size."""
+        with self._stats_lock:
+            decisions = {reason: self._counts.get(reason, 0) for reason in REASONS}
+            matched = self._matched_tokens
+        index = self.index.stats()
+        return {
+            "decisions": decisions,
+            "decisions_total": sum(decisions.values()),
+            "matched_tokens_total": matched,
+            "index_blocks": index.blocks,
+            "index_orphans": index.orphans,
+            "index_ignored_block_size": index.ignored_block_size,
+        }

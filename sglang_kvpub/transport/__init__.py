@@ -1,0 +1,1 @@
+"""Sockets: ZMQ frame I/O, the rank -> fan-in channel, CURVE keys, the replay client."""

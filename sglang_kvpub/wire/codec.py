@@ -1,0 +1,435 @@
+"""The codec beside the contract: every engine's batch shape in, one declared shape out.
+
+The decoder accepts every shape SGLang 0.4.10..0.5.23 and vLLM emit (map or positional
+events, u64 or i64 hashes) with bounds on everything (:class:`DecodeLimits`); the encoder
+writes one declared shape (see :class:`BatchEncoder`).  The shapes themselves are
+:mod:`sglang_kvpub.wire.contract`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Union
+
+import msgspec
+
+from sglang_kvpub.wire.contract import (
+    _I64_MIN,
+    MEDIUM_GPU,
+    U64_MASK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Event,
+    EventBatch,
+    EventEncoding,
+    HashForm,
+    WireError,
+)
+
+__all__ = [
+    "DecodeLimits",
+    "DecodeStats",
+    "BatchDecoder",
+    "BatchEncoder",
+    "to_u64",
+    "to_i64",
+    "hash_from_wire",
+    "split_stored",
+    "enrich_batch",
+]
+
+
+# Positional (tagged array) events as SGLang <= 0.5.19, vLLM < 0.26 and our "array" encoding
+# write them: decoded by msgspec directly, then turned into the public structs.  Trailing
+# positions a version does not write take their defaults; extra trailing ones are ignored.
+class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None] = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+
+
+class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None] = None
+
+
+class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_ArrayStored, _ArrayRemoved, _ArrayCleared]]
+    dp_rank: Union[int, None] = None
+
+
+def _from_array_batch(raw: _ArrayBatch) -> EventBatch:
+    events: list[Event] = []
+    for item in raw.events:
+        if type(item) is _ArrayStored:
+            events.append(
+                BlockStored(
+                    block_hashes=item.block_hashes,
+                    parent_block_hash=item.parent_block_hash,
+                    token_ids=item.token_ids,
+                    block_size=item.block_size,
+                    lora_id=item.lora_id,
+                    medium=item.medium,
+                    lora_name=item.lora_name,
+                )
+            )
+        elif type(item) is _ArrayRemoved:
+            events.append(BlockRemoved(block_hashes=item.block_hashes, medium=item.medium))
+        else:
+            events.append(AllBlocksCleared())
+    return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
+
+
+# --------------------------------------------------------------------------- hashes
+
+
+def to_u64(value: int) -> int:
+    return value & U64_MASK
+
+
+def to_i64(value: int) -> int:
+    value &= U64_MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def hash_from_wire(value: Any) -> int:
+    """One engine block hash as an int; bytes hashes (vLLM sha256) keep their last 8 bytes."""
+    if isinstance(value, bool):
+        raise WireError("bad hash", "bool")
+    if isinstance(value, int):
+        if value < _I64_MIN or value > U64_MASK:
+            raise WireError("bad hash", "outside the 64-bit range")
+        return value
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        if not raw:
+            raise WireError("bad hash", "empty bytes")
+        return int.from_bytes(raw[-8:], "big")
+    if isinstance(value, str):
+        try:
+            parsed = int(value, 16) if value.lower().startswith("0x") else int(value)
+        except ValueError as exc:
+            raise WireError("bad hash", "unparsable string") from exc
+        return hash_from_wire(parsed)
+    raise WireError("bad hash", type(value).__name__)
+
+
+def _hash_list(values: Any) -> list[int]:
+    if not isinstance(values, (list, tuple)):
+        raise WireError("bad block_hashes", type(values).__name__)
+    return [hash_from_wire(v) for v in values]
+
+
+def _optional_hash(value: Any) -> Union[int, None]:
+    return None if value is None else hash_from_wire(value)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLimits:
+    """Bounds that keep a hostile or broken publisher from exhausting memory."""
+
+    max_payload_bytes: int = 64 << 20
+    max_events: int = 100_000
+    max_blocks_per_event: int = 65_536
+    max_block_size: int = 1 << 20
+
+
+@dataclasses.dataclass
+class DecodeStats:
+    batches: int = 0
+    events: int = 0
+    slow_path: int = 0
+    unknown_events: int = 0
+    errors: int = 0
+
+
+_EVENT_TAGS = {
+    "BlockStored": "stored",
+    "BlockStoredWithMetadata": "stored",
+    "BlockRemoved": "removed",
+    "AllBlocksCleared": "cleared",
+}
+
+
+class BatchDecoder:
+    """Decodes one payload into an :class:`EventBatch`, whatever engine version wrote it.
+
+    The fast paths are msgspec's typed decoders for the tagged-map shape and for the
+    positional-array shape; anything else (bytes hashes, unknown event types, SGLang
+    0.5.18's metadata maps, rank-before-events batches) goes through a generic walk.
+    Unknown fields are ignored, unknown event types are counted in
+    ``stats.unknown_events`` and skipped.
+    """
+
+    def __init__(self, limits: DecodeLimits | None = None) -> None:
+        self.limits = limits or DecodeLimits()
+        self.stats = DecodeStats()
+        self._typed = msgspec.msgpack.Decoder(EventBatch)
+        self._typed_arrays = msgspec.msgpack.Decoder(_ArrayBatch)
+        self._generic = msgspec.msgpack.Decoder()
+
+    def decode(self, payload: bytes | memoryview) -> EventBatch:
+        try:
+            batch = self._decode(payload)
+        except WireError:
+            self.stats.errors += 1
+            raise
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        return batch
+
+    def _decode(self, payload: bytes | memoryview) -> EventBatch:
+        if len(payload) > self.limits.max_payload_bytes:
+            raise WireError("payload too large", f"{len(payload)} > {self.limits.max_payload_bytes}")
+        try:
+            batch = self._typed.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            try:
+                batch = _from_array_batch(self._typed_arrays.decode(payload))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return self._decode_generic(payload)
+        self._check_typed(batch)
+        return batch
+
+    def _check_typed(self, batch: EventBatch) -> None:
+        limits = self.limits
+        if len(batch.events) > limits.max_events:
+            raise WireError("too many events", str(len(batch.events)))
+        if not math.isfinite(batch.ts):
+            raise WireError("bad batch", "ts is not finite")
+        for event in batch.events:
+            if type(event) is BlockStored:
+                _check_stored(event, limits)
+            elif type(event) is BlockRemoved:
+                for value in event.block_hashes:
+                    if value < _I64_MIN or value > U64_MASK:
+                        raise WireError("bad hash", "outside the 64-bit range")
+
+    def _decode_generic(self, payload: bytes | memoryview) -> EventBatch:
+        self.stats.slow_path += 1
+        try:
+            raw = self._generic.decode(payload)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise WireError("not msgpack", str(exc)[:80]) from exc
+        ts, raw_events, dp_rank = _split_batch(raw)
+        if len(raw_events) > self.limits.max_events:
+            raise WireError("too many events", str(len(raw_events)))
+        events: list[Event] = []
+        for raw_event in raw_events:
+            event = self._event(raw_event)
+            if event is not None:
+                events.append(event)
+        return EventBatch(ts=ts, events=events, dp_rank=dp_rank)
+
+    def _event(self, raw: Any) -> Event | None:
+        if isinstance(raw, dict):
+            tag = raw.get("type")
+            fields = raw
+        elif isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
+            tag = raw[0]
+            fields = _array_fields(tag, raw)
+        else:
+            raise WireError("bad event", type(raw).__name__)
+        kind = _EVENT_TAGS.get(tag) if isinstance(tag, str) else None
+        if kind is None:
+            self.stats.unknown_events += 1
+            return None
+        if kind == "cleared":
+            return AllBlocksCleared()
+        medium = _optional_str(fields.get("medium"), "medium")
+        if kind == "removed":
+            return BlockRemoved(block_hashes=_hash_list(fields.get("block_hashes")), medium=medium)
+        event = BlockStored(
+            block_hashes=_hash_list(fields.get("block_hashes")),
+            parent_block_hash=_optional_hash(fields.get("parent_block_hash")),
+            token_ids=_token_list(fields.get("token_ids")),
+            block_size=_int(fields.get("block_size"), "block_size"),
+            lora_id=_optional_int(fields.get("lora_id"), "lora_id"),
+            medium=medium,
+            lora_name=_optional_str(fields.get("lora_name"), "lora_name"),
+            cache_salt=_optional_str(fields.get("cache_salt"), "cache_salt"),
+            session_id=_optional_str(fields.get("session_id"), "session_id"),
+        )
+        _check_stored(event, self.limits)
+        return event
+
+
+def _check_stored(event: BlockStored, limits: DecodeLimits) -> None:
+    blocks = len(event.block_hashes)
+    if blocks == 0:
+        raise WireError("bad BlockStored", "no block hashes")
+    if blocks > limits.max_blocks_per_event:
+        raise WireError("bad BlockStored", f"{blocks} blocks in one event")
+    if not 0 < event.block_size <= limits.max_block_size:
+        raise WireError("bad BlockStored", f"block_size {event.block_size}")
+    if len(event.token_ids) != blocks * event.block_size:
+        raise WireError(
+            "token_ids/block_size mismatch",
+            f"{len(event.token_ids)} tokens for {blocks} blocks of {event.block_size}",
+        )
+    for value in event.block_hashes:
+        if value < _I64_MIN or value > U64_MASK:
+            raise WireError("bad hash", "outside the 64-bit range")
+    parent = event.parent_block_hash
+    if parent is not None and (parent < _I64_MIN or parent > U64_MASK):
+        raise WireError("bad hash", "parent outside the 64-bit range")
+
+
+def _split_batch(raw: Any) -> tuple[float, list[Any], Union[int, None]]:
+    if not isinstance(raw, (list, tuple)) or len(raw) < 2:
+        raise WireError("bad batch", "expected [ts, events(, dp_rank)]")
+    ts = raw[0]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts):
+        raise WireError("bad batch", "ts is not a number")
+    second = raw[1]
+    third = raw[2] if len(raw) > 2 else None
+    if isinstance(second, (list, tuple)):
+        events, dp_rank = second, third
+    elif isinstance(third, (list, tuple)):  # [ts, dp_rank, events], accepted by Motor's conductor
+        events, dp_rank = third, second
+    else:
+        raise WireError("bad batch", "no event list")
+    return float(ts), list(events), _optional_int(dp_rank, "dp_rank")
+
+
+# Positional layouts by version; see docs/wire.md.
+#   SGLang 0.4.10-0.5.5:  [tag, hashes, parent, tokens, block_size, lora_id]
+#   SGLang 0.5.9-0.5.19:  ... + medium; 0.5.18-0.5.19 + {cache_salt} metadata map
+#   vLLM:                 ... + medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, ...
+_STORED_POSITIONS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+
+
+def _array_fields(tag: str, raw: Any) -> dict[str, Any]:
+    values = list(raw[1:])
+    kind = _EVENT_TAGS.get(tag)
+    if kind == "removed":
+        return {"block_hashes": values[0] if values else None, "medium": values[1] if len(values) > 1 else None}
+    if kind != "stored":
+        return {}
+    fields: dict[str, Any] = dict(zip(_STORED_POSITIONS, values, strict=False))
+    if len(values) > 6:
+        extra = values[6]
+        if isinstance(extra, dict):
+            fields["cache_salt"] = extra.get("cache_salt")
+        else:
+            fields["lora_name"] = extra
+    return fields
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WireError(f"bad {name}", type(value).__name__)
+    return value
+
+
+def _optional_int(value: Any, name: str) -> Union[int, None]:
+    return None if value is None else _int(value, name)
+
+
+def _optional_str(value: Any, name: str) -> Union[str, None]:
+    if value is None or isinstance(value, str):
+        return value
+    raise WireError(f"bad {name}", type(value).__name__)
+
+
+def _token_list(value: Any) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise WireError("bad token_ids", type(value).__name__)
+    tokens: list[int] = []
+    for item in value:
+        if isinstance(item, (list, tuple)) and item:  # EAGLE bigram keys: (t_i, t_i+1)
+            item = item[0]
+        if isinstance(item, bool) or not isinstance(item, int):
+            raise WireError("bad token_ids", type(item).__name__)
+        tokens.append(item)
+    return tokens
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+class BatchEncoder:
+    """Encodes batches for the instance stream in one declared shape.
+
+    ``encoding="map"`` writes SGLang >= 0.5.20 / vLLM tagged maps (the default);
+    ``"array"`` writes positional arrays for older consumers:
+    ``[tag, hashes, parent, tokens, block_size, lora_id, medium, lora_name]``.
+    Hashes must already be in the declared form (see :func:`enrich_batch`).
+    """
+
+    def __init__(self, encoding: EventEncoding = "map") -> None:
+        if encoding not in ("map", "array"):
+            raise ValueError(f"unknown event encoding {encoding!r}: use 'map' or 'array'")
+        self.encoding = encoding
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def encode(self, batch: EventBatch) -> bytes:
+        if self.encoding == "map":
+            return self._encoder.encode(batch)
+        events = [_event_as_array(event) for event in batch.events]
+        return self._encoder.encode([batch.ts, events, batch.dp_rank])
+
+
+def _event_as_array(event: Event) -> list[Any]:
+    if type(event) is BlockStored:
+        return [
+            "BlockStored",
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            event.lora_id,
+            event.medium,
+            event.lora_name,
+        ]
+    if type(event) is BlockRemoved:
+        return ["BlockRemoved", event.block_hashes, event.medium]
+    return ["AllBlocksCleared"]
+
+
+def enrich_batch(
+    batch: EventBatch,
+    *,
+    dp_rank: int,
+    block_size: int,
+    hash_form: HashForm = "u64",
+    default_medium: str = MEDIUM_GPU,
+) -> EventBatch:
+    """Makes a batch self-describing, in place: rank, medium, block size and hash form set."""
+    convert = to_u64 if hash_form == "u64" else to_i64
+    batch.dp_rank = dp_rank
+    for event in batch.events:
+        if type(event) is BlockStored:
+            event.block_hashes = [convert(h) for h in event.block_hashes]
+            if event.parent_block_hash is not None:
+                event.parent_block_hash = convert(event.parent_block_hash)
+            if event.medium is None:
+                event.medium = default_medium
+            if event.block_size <= 0:
+                event.block_size = block_size
+        elif type(event) is BlockRemoved:
+            event.block_hashes = [convert(h) for h in event.block_hashes]
+            if event.medium is None:
+                event.medium = default_medium
+    return batch
+
+
+def split_stored(event: BlockStored) -> list[tuple[int, list[int]]]:
+    """``[(block_hash, that block's token ids), ...]`` for a possibly merged store."""
+    size = event.block_size
+    tokens = event.token_ids
+    return [(h, tokens[i * size : (i + 1) * size]) for i, h in enumerate(event.block_hashes)]

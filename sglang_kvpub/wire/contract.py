@@ -1,0 +1,213 @@
+"""The instance-stream contract: media, events, batches, seq/epoch, live and replay frames.
+
+Everything a consumer in any language must agree on, and nothing else (the codec that
+reads every engine's shape is :mod:`sglang_kvpub.wire.codec`; docs/wire.md names each
+identifier).  Imports neither SGLang nor torch nor ZMQ.
+
+Live frames are ``[topic, seq (u64 big-endian), payload]``; the payload is a msgpack
+``[ts, events, dp_rank]`` batch whose events are ``BlockStored``, ``BlockRemoved`` and
+``AllBlocksCleared``.
+
+The instance sequence number carries the publisher's epoch in its top bits
+(``seq = epoch << EPOCH_SHIFT | counter``): plain 3-frame decoders still see one
+monotonically increasing u64 per start, and a restarted fan-in is recognisable because
+its epoch differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Union
+
+import msgspec
+
+__all__ = [
+    "MEDIUM_GPU",
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_EXTERNAL",
+    "KNOWN_MEDIA",
+    "U64_MASK",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "Event",
+    "EventBatch",
+    "WireError",
+    "HashForm",
+    "EventEncoding",
+    "encode_seq",
+    "decode_seq",
+    "END_SEQ",
+    "END_SEQ_BYTES",
+    "EPOCH_SHIFT",
+    "make_seq",
+    "seq_epoch",
+    "seq_counter",
+    "live_frames",
+    "parse_live_frames",
+    "replay_request_frames",
+    "parse_replay_request",
+    "replay_reply_frames",
+    "replay_end_frames",
+    "ReplayReply",
+    "parse_replay_reply",
+    "SNAPSHOT_MARKER",
+]
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU_PINNED"
+MEDIUM_DISK = "DISK"
+MEDIUM_EXTERNAL = "EXTERNAL"
+KNOWN_MEDIA = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL})
+
+U64_MASK = (1 << 64) - 1
+_I64_MIN = -(1 << 63)
+
+HashForm = Literal["u64", "i64"]
+EventEncoding = Literal["map", "array"]
+
+
+class WireError(ValueError):
+    """A frame or payload that does not follow the contract; ``reason`` is short and stable."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+
+
+# --------------------------------------------------------------------------- events
+# Every field but the first has a default so one typed decoder reads SGLang >= 0.5.20
+# and vLLM map events directly.  No ``omit_defaults``: ``parent_block_hash`` and
+# ``lora_id`` must always be on the wire because SGLang 0.5.23's own decoder requires them.
+
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    """Consecutive blocks (pages) stored in one medium; ``token_ids`` covers all of them."""
+
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None] = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    cache_salt: Union[str, None] = None
+    session_id: Union[str, None] = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[int]
+    medium: Union[str, None] = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+Event = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class EventBatch(msgspec.Struct, array_like=True, gc=False):
+    """``[ts, events, dp_rank]``; an empty ``events`` list is a heartbeat."""
+
+    ts: float
+    events: list[Event]
+    dp_rank: Union[int, None] = None
+
+
+# --------------------------------------------------------------------------- frames
+
+END_SEQ = U64_MASK  # -1 as a signed 64-bit value: the replay end marker
+END_SEQ_BYTES = END_SEQ.to_bytes(8, "big")
+EPOCH_SHIFT = 40
+SNAPSHOT_MARKER = b"snapshot"
+
+
+def encode_seq(seq: int) -> bytes:
+    return (seq & U64_MASK).to_bytes(8, "big")
+
+
+def decode_seq(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise WireError("bad seq frame", f"{len(raw)} bytes")
+    return int.from_bytes(raw, "big")
+
+
+def make_seq(epoch: int, counter: int) -> int:
+    return (epoch << EPOCH_SHIFT) | counter
+
+
+def seq_epoch(seq: int) -> int:
+    return seq >> EPOCH_SHIFT
+
+
+def seq_counter(seq: int) -> int:
+    return seq & ((1 << EPOCH_SHIFT) - 1)
+
+
+def live_frames(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [topic, encode_seq(seq), payload]
+
+
+def parse_live_frames(frames: list[bytes], max_payload_bytes: int | None = None) -> tuple[bytes, int, bytes]:
+    """``(topic, seq, payload)`` of a 3-frame live message."""
+    if len(frames) != 3:
+        raise WireError("bad frame count", str(len(frames)))
+    topic, seq, payload = frames
+    if max_payload_bytes is not None and len(payload) > max_payload_bytes:
+        raise WireError("payload too large", f"{len(payload)} > {max_payload_bytes}")
+    return bytes(topic), decode_seq(bytes(seq)), payload
+
+
+def replay_request_frames(start_seq: int, snapshot: bool = False) -> list[bytes]:
+    """What a DEALER sends; ``snapshot=True`` asks for a snapshot whatever the buffer holds."""
+    frames = [b"", encode_seq(start_seq)]
+    if snapshot:
+        frames.append(SNAPSHOT_MARKER)
+    return frames
+
+
+def parse_replay_request(frames: list[bytes]) -> tuple[bytes, int, bool]:
+    """``(identity, start_seq, snapshot)`` from what a ROUTER receives."""
+    if len(frames) not in (3, 4) or frames[1] != b"":
+        raise WireError("bad replay request", f"{len(frames)} frames")
+    snapshot = len(frames) == 4
+    if snapshot and frames[3] != SNAPSHOT_MARKER:
+        raise WireError("bad replay request", "unknown fourth frame")
+    return bytes(frames[0]), decode_seq(bytes(frames[2])), snapshot
+
+
+def replay_reply_frames(identity: bytes, topic: bytes, seq: int, payload: bytes) -> list[bytes]:
+    return [identity, b"", topic, encode_seq(seq), payload]
+
+
+def replay_end_frames(identity: bytes) -> list[bytes]:
+    return [identity, b"", b"", END_SEQ_BYTES, b""]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayReply:
+    topic: bytes
+    seq: int
+    payload: bytes
+
+    @property
+    def is_end(self) -> bool:
+        return self.seq == END_SEQ
+
+
+def parse_replay_reply(frames: list[bytes]) -> ReplayReply:
+    """One reply as a DEALER receives it: SGLang >= 0.5.22 ``[b"", topic, seq, payload]``
+    or older SGLang / vLLM ``[b"", seq, payload]`` (the empty delimiter is optional)."""
+    parts = [bytes(f) for f in frames]
+    if parts and parts[0] == b"" and len(parts) in (3, 4):
+        parts = parts[1:]
+    if len(parts) == 3:
+        topic, seq, payload = parts
+    elif len(parts) == 2:
+        topic, (seq, payload) = b"", parts
+    else:
+        raise WireError("bad replay reply", f"{len(frames)} frames")
+    return ReplayReply(topic=topic, seq=decode_seq(seq), payload=payload)
