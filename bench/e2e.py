@@ -67,8 +67,10 @@ def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, pro
         ready_s = rig.timings.get("ready_s", 0.0)
         for rank_warmup in range(spec.dp_size):  # first long forward of each rank, not measured
             rig.complete(e2e_rig.prompt_text(900 + rank_warmup, args.prompt_words), max_tokens=args.max_tokens)
+        prompt_tokens = 0
         for prompt in prompts:
             ids = tokenizer(prompt)["input_ids"]
+            prompt_tokens = prompt_tokens or len(ids)
             full = len(ids) // args.page_size * args.page_size
             cold = rig.complete(prompt, max_tokens=args.max_tokens)
             errors += cold.status != 200
@@ -82,7 +84,6 @@ def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, pro
                 expected.append(full)
                 scored.append(hot.scores[-1].matched if hot.scores else 0)
                 time.sleep(args.gap_s)  # a think time between a user's turns, not synchronisation
-        prompt_tokens = len(tokenizer(prompts[0])["input_ids"])
     repeats = len(cached)
     served_from_cache = sum(1 for got, full in zip(cached, expected, strict=True) if got >= full > 0)
     cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)

@@ -23,7 +23,9 @@ import ast
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
+import random
 import re
 import subprocess
 import sys
@@ -430,8 +432,6 @@ def parse_dispatches(text: str) -> list[dict[str, Any]]:
 
 def prompt_text(seed: int, words: int) -> str:
     """A deterministic prompt of ``words`` short pseudo-words (distinct per seed)."""
-    import random
-
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     return " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(words))
@@ -439,8 +439,6 @@ def prompt_text(seed: int, words: int) -> str:
 
 def environment_ready() -> list[str]:
     """What the rig needs that is not installed (empty: everything is)."""
-    import importlib.util
-
     needed = ("motor", "transformers", *sglang_server.SERVER_MODULES)
     return [name for name in needed if importlib.util.find_spec(name) is None]
 
