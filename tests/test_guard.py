@@ -29,6 +29,7 @@ GOOD_CONFIG = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:5557"}'
 @pytest.fixture(autouse=True)
 def fresh_guard() -> Iterator[None]:
     guard.reset()
+    reconcile._idle_due[0] = 0.0  # the idle hook's next check: due now
     yield
     guard.reset()
 
@@ -78,6 +79,36 @@ def test_idle_hook_failure_returns_sglang_result(caplog: pytest.LogCaptureFixtur
     assert reconcile._idle_hook("again", Scheduler()) == "again"
     assert touched == [1]
     _failed_once(caplog, guard.IDLE, "scheduler shape changed")
+
+
+def test_idle_hook_checks_at_most_every_interval_unless_a_repair_is_under_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(reconcile, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    runs: list[bool] = []
+    under_way = [False]
+
+    def one_slice(scheduler: Any) -> bool:
+        runs.append(under_way[0])
+        return under_way[0]
+
+    monkeypatch.setattr(reconcile, "reconcile_on_idle", one_slice)
+    for _ in range(1000):  # an idle scheduler spinning: one check per interval
+        reconcile._idle_hook(None, object())
+    assert len(runs) == 1
+    now[0] += reconcile.IDLE_CHECK_INTERVAL_S
+    reconcile._idle_hook(None, object())
+    assert len(runs) == 2
+    under_way[0] = True  # a repair started: every idle call continues it
+    now[0] += reconcile.IDLE_CHECK_INTERVAL_S
+    for _ in range(5):
+        reconcile._idle_hook(None, object())
+    assert runs[2:] == [True] * 5
+    under_way[0] = False  # finished: back to the interval
+    reconcile._idle_hook(None, object())
+    reconcile._idle_hook(None, object())
+    assert len(runs) == 8
 
 
 def test_reconcile_failure_disables_reconciliation_only(caplog: pytest.LogCaptureFixture) -> None:

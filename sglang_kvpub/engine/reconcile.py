@@ -71,6 +71,7 @@ __all__ = [
     "reconcile_on_idle",
     "SLICE_BUDGET_S",
     "EventDriftWatch",
+    "IDLE_CHECK_INTERVAL_S",
 ]
 
 log = logging.getLogger(__name__)
@@ -632,32 +633,34 @@ def _resync_cause(medium: str) -> str:
 # --------------------------------------------------------------------------- idle hook
 
 
-def reconcile_on_idle(scheduler: Any, budget_s: float = SLICE_BUDGET_S) -> None:
-    """One bounded reconciliation slice for the scheduler's tree (call only when idle).
+def reconcile_on_idle(scheduler: Any, budget_s: float = SLICE_BUDGET_S) -> bool:
+    """One bounded reconciliation slice for the scheduler's tree (call only when idle);
+    True while a repair or resync is under way (the next idle call should continue it).
 
     On a core without a walkable tree (the Rust core) the drift is checked from the
     core's events and counters instead; resync requests are consumed and reported."""
     tree = getattr(scheduler, "tree_cache", None)
     if tree is None or getattr(tree, "disable", False):
-        return
+        return False
     core = tree_of(tree)
     if guard.disabled(guard.RECONCILE):
-        return
+        return False
     try:
         work = core.__dict__.get(_IDLE_WORK)
         if work is None:
             work = core.__dict__[_IDLE_WORK] = _idle_work(core, budget_s)
         if work is _NOTHING:
-            return
+            return False
         resync = take_resync_request()
         if isinstance(work, Reconciler):
             if resync:
                 work.resync(RESYNC_FANIN)
             work.step()
-        else:
-            work.step(resync)
+            return work.walking
+        work.step(resync)
     except Exception as exc:
         guard.fail(guard.RECONCILE, exc)
+    return False
 
 
 _IDLE_WORK = "_kvpub_reconciler"  # a Reconciler or an EventDriftWatch
@@ -746,13 +749,25 @@ class EventDriftWatch:
                 )
 
 
+# An idle scheduler spins through on_idle tens of thousands of times a second: between
+# repairs the O(1) drift check (and the resync poll) runs at most this often, so an idle
+# call costs one clock read.  A repair under way gets every idle call.
+IDLE_CHECK_INTERVAL_S = 0.005
+_idle_due = [0.0]  # per process: SGLang runs one scheduler per process
+
+
 def _idle_hook(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    if guard.disabled(guard.IDLE):
+    if guard.IDLE in guard._disabled:
+        return result
+    now = time.monotonic()
+    if now < _idle_due[0]:
         return result
     try:
-        reconcile_on_idle(scheduler)
+        under_way = reconcile_on_idle(scheduler)
     except Exception as exc:
         guard.fail(guard.IDLE, exc)
+        return result
+    _idle_due[0] = now if under_way else now + IDLE_CHECK_INTERVAL_S
     return result
 
 

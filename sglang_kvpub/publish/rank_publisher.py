@@ -73,7 +73,7 @@ from zmq.utils.monitor import parse_monitor_message
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.transport.channel import PACKET_SCHEME, ChannelPusher
 from sglang_kvpub.transport.packet_channel import RETRY_S, PacketPusher
-from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, enrich_batch
+from sglang_kvpub.wire import BatchDecoder, BatchEncoder, EventBatch, WireError, adopt_batch, enrich_batch
 
 __all__ = ["INLINE_MAX_EVENTS", "RankPublisher", "take_resync_request"]
 
@@ -449,6 +449,13 @@ class RankPublisher:
     def _payload(self, batch: Any) -> bytes | None:
         try:
             if not isinstance(batch, EventBatch):
+                # SGLang's own structs: read field by field; the msgpack round trip below
+                # (which validates everything) only for what adopt_batch does not know.
+                adopted = adopt_batch(
+                    batch, dp_rank=self.dp_rank, block_size=self.block_size, hash_form=self.config.hash_form
+                )
+                if adopted is not None:
+                    return self._encoder.encode(adopted)
                 batch = self._decoder.decode(self._foreign_encoder.encode(batch))
             enrich_batch(batch, dp_rank=self.dp_rank, block_size=self.block_size, hash_form=self.config.hash_form)
             return self._encoder.encode(batch)

@@ -63,6 +63,7 @@ KNOWN_MEDIA = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL})
 
 U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
 
 HashForm = Literal["u64", "i64"]
 EventEncoding = Literal["map", "array"]
