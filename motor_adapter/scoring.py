@@ -563,9 +563,13 @@ def instance_entry(
     longest = 0
     best: dict[str, Any] | None = None
     best_w = 0.0
-    for entry in entries.values():
+    w_npu, w_cpu, w_disk = cfg.w_npu, cfg.w_cpu, cfg.w_disk
+    weights: dict[str, float] = {}  # on every /query: weighted once per entry, no TierHit built
+    for dp, entry in entries.items():
         longest = max(longest, entry["matched_tokens"])
-        weighted = weighted_blocks(_tiers(entry), cfg)
+        weighted = weights[dp] = (
+            entry["npu_blocks"] * w_npu + entry["cpu_blocks"] * w_cpu + entry["disk_blocks"] * w_disk
+        )
         if best is None or weighted > best_w:
             best, best_w = entry, weighted
     out: dict[str, Any] = {
@@ -577,11 +581,6 @@ def instance_entry(
     if shape == "rank_dicts":
         out["DP"] = dict(entries)
         return out
-    out["DP"] = {dp: round(weighted_blocks(_tiers(e), cfg) * bs) for dp, e in entries.items()}
+    out["DP"] = {dp: round(weighted * bs) for dp, weighted in weights.items()}
     out["dp_detail"] = dict(entries)
     return out
-
-
-def _tiers(entry: Mapping[str, Any]) -> TierHit:
-    """A :func:`dp_entry` dict as the hit it was made from."""
-    return TierHit(entry["npu_blocks"], entry["cpu_blocks"], entry["disk_blocks"])

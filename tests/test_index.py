@@ -158,6 +158,22 @@ def test_clear_instance_recycles_workers() -> None:
     assert idx.stats().workers == 2
 
 
+def test_recycled_worker_ids_answer_with_their_new_ranks() -> None:
+    """A recycled page of worker ids (one mask byte) answers with its new instance's ranks,
+    never with those of the instance that held it before."""
+    idx = PrefixIndex(BS)
+    toks = tokens(3)
+    for rank in (0, 1, 2):
+        store(idx, "a", rank, toks)
+    assert idx.query(toks) == {"a": {r: TierHit(3, 0, 0) for r in (0, 1, 2)}}
+    idx.clear_instance("a")
+    for rank in (7, 8, 9):  # the same worker ids (and mask byte), other ranks
+        store(idx, "c", rank, toks)
+    assert idx.query(toks) == {"c": {r: TierHit(3, 0, 0) for r in (7, 8, 9)}}
+    store(idx, "c", 10, toks)  # a new worker in the same byte
+    assert idx.query(toks) == {"c": {r: TierHit(3, 0, 0) for r in (7, 8, 9, 10)}}
+
+
 def test_batch_rank_override_and_default() -> None:
     idx = PrefixIndex(BS)
     toks = tokens(2)
