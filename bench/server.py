@@ -29,15 +29,18 @@ idle server's controller made both servers several times slower and the rounds e
   and p99 are beside it, with the rank publisher's sender thread's CPU (batches too big to
   send inline) per step and ``plugin_total_us_mean`` (own mean + sender thread); and
   ``plain_publisher_us_*`` is what SGLang's own publisher costs the plain server per step
-  (the part the plugin replaces).  The difference of the two
-  servers' step medians (``step_overhead_us_median``) is printed too: it is two noisy
-  medians apart, not the plugin's cost;
+  (the part the plugin replaces).  The difference of the two servers' step medians
+  (``step_overhead_us_median``) is printed too: two noisy medians apart, not the
+  plugin's cost;
 - *idle hook*: calls and CPU per call of the plugin's idle-time hook (it runs while a
   scheduler has nothing to do, so it is not part of any step);
 - ``plugin_entries_calls_us_max_us``: per plugin entry point (hook, publisher), its calls,
   total and largest CPU time since the server started - where the plugin's time goes.
 
-One JSON line per tree core (``--tree-core``: rust, python or both).  On a CPU-only machine
+One JSON line per tree core (``--tree-core``: rust, python or both).  ``--control aa`` runs
+the same with neither server loading the plugin: its ``throughput_cost_pct`` and
+``cpu_cost_pct`` are this machine's noise floor for the figures above (measured: several
+percent either way over 4-8 rounds, which is why the rounds default to 16).  On a CPU-only machine
 the servers get the CPU stand-ins of bench/cpu_shims on their PYTHONPATH (this process
 imports nothing from tests/; see that README for why they exist).
 """
@@ -58,6 +61,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import sglang_server
 from _common import emit, percentile
 
@@ -103,8 +107,6 @@ def _tree_cpu_s(server: sglang_server.Server) -> float:
     DP controller's main thread: SGLang 0.5.23's controller loop polls its socket without
     blocking, one core at 100 % whatever the load, so its CPU measures wall time, not work
     (the plugin's fan-in and dispatch run in their own threads, counted)."""
-    import psutil
-
     assert server.proc is not None
     root = psutil.Process(server.proc.pid)
     total = 0.0
@@ -203,7 +205,8 @@ def bench_core(core: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     servers: dict[str, sglang_server.Server] = {}
     probes: dict[str, Path] = {}
     try:
-        for name, plugin in (("plain", False), ("plugin", True)):
+        # --control aa: the "plugin" server runs without the plugin too (the noise floor).
+        for name, plugin in (("plain", False), ("plugin", args.control != "aa")):
             probes[name] = work / f"probe-{core}-{name}"
             probes[name].mkdir()
             spec = sglang_server.ServerSpec(
@@ -259,6 +262,7 @@ def bench_core(core: str, args: argparse.Namespace, work: Path) -> dict[str, Any
     return {
         "bench": "server",
         "tree_core": core,
+        "control": args.control,
         "dp_size": 2,
         "requests_per_round": args.requests,
         "rounds": args.rounds,
@@ -302,13 +306,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tree-core", default="both", choices=("rust", "python", "both"))
     parser.add_argument("--requests", type=int, default=48, help="requests per server and round")
-    parser.add_argument("--rounds", type=int, default=8, help="even: each order as often")
+    parser.add_argument("--rounds", type=int, default=16, help="even: each order as often")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=384)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--max-total-tokens", type=int, default=8192)
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--quick", action="store_true", help="rust core only, 2 rounds of 16 requests")
+    parser.add_argument(
+        "--control",
+        default="-",
+        choices=("-", "aa"),
+        help="aa: both servers without the plugin - what this machine's noise alone makes of the figures",
+    )
     args = parser.parse_args(argv)
     cores = ["rust", "python"] if args.tree_core == "both" else [args.tree_core]
     if args.quick:
