@@ -35,7 +35,8 @@ idle server's controller made both servers several times slower and the rounds e
 - *idle hook*: calls and CPU per call of the plugin's idle-time hook (it runs while a
   scheduler has nothing to do, so it is not part of any step);
 - ``plugin_entries_calls_us_max_us``: per plugin entry point (hook, publisher), its calls,
-  total and largest CPU time since the server started - where the plugin's time goes.
+  total and largest CPU time since the server started - where the plugin's time goes (a
+  hook reached from inside the SGLang operation another hook wraps counts in both).
 
 One JSON line per tree core (``--tree-core``: rust, python or both).  ``--control aa`` runs
 the same with neither server loading the plugin: its ``throughput_cost_pct`` and
