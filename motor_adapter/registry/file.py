@@ -35,7 +35,15 @@ from typing import Any, Union
 
 import msgspec
 
-from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
+from motor_adapter.registry.store import (
+    Change,
+    Record,
+    RegistryError,
+    RegKey,
+    StoreUnavailable,
+    remove_record,
+    replica_id,
+)
 
 __all__ = ["FORMAT", "VERSION", "FileStore", "read_state_file"]
 
@@ -191,10 +199,8 @@ class FileStore:
         return record
 
     async def delete(self, key: RegKey, *, only_if: Union[Record, None] = None) -> bool:
-        current = self._records.get(key)
-        if current is None or (only_if is not None and not current.same_body(only_if)):
+        if not remove_record(self._records, key, only_if):
             return False
-        del self._records[key]
         await self._commit()
         return True
 

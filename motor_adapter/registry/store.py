@@ -36,6 +36,7 @@ __all__ = [
     "StoreUnavailable",
     "default_state_file",
     "default_registry_spec",
+    "remove_record",
     "replica_id",
 ]
 
@@ -108,6 +109,16 @@ class RegistryStore(Protocol):
     async def close(self) -> None: ...
 
 
+def remove_record(records: dict[RegKey, Record], key: RegKey, only_if: Union[Record, None]) -> bool:
+    """Deletes ``key`` from ``records`` - only if it still has ``only_if``'s body, when given;
+    whether it did (the conditional delete every store implements)."""
+    current = records.get(key)
+    if current is None or (only_if is not None and not current.same_body(only_if)):
+        return False
+    del records[key]
+    return True
+
+
 class MemoryStore:
     """No durability at all (``--registry memory``): what tests and development runs use."""
 
@@ -124,11 +135,7 @@ class MemoryStore:
         return record
 
     async def delete(self, key: RegKey, *, only_if: Union[Record, None] = None) -> bool:
-        current = self._records.get(key)
-        if current is None or (only_if is not None and not current.same_body(only_if)):
-            return False
-        del self._records[key]
-        return True
+        return remove_record(self._records, key, only_if)
 
     def changes(self) -> Union[AsyncIterator[Change], None]:
         return None

@@ -52,9 +52,10 @@ import heapq
 import logging
 import sys
 import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
+from typing import TypeVar
 
 from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
@@ -82,6 +83,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_Out = TypeVar("_Out")  # what an NPU walk emits into (see PrefixIndex._npu_walk)
 
 _U64 = (1 << 64) - 1
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
@@ -361,11 +363,23 @@ class PrefixIndex:
 
     def _query_npu(self, chunks: Iterable[Sequence[int]], allowed: int | None) -> dict[str, dict[int, TierHit]]:
         """:meth:`query_keys` while only the NPU tier holds blocks (under the lock), over
-        consecutive chunks of the keys (pulled lazily): one mask per position; a worker's hit
-        is the position where it leaves the mask."""
-        get = self._masks[0].get
-        held = allowed if allowed is not None else (1 << len(self._by_wid)) - 1
+        consecutive chunks of the keys (pulled lazily): see :meth:`_npu_walk`."""
         out: dict[str, dict[int, TierHit]] = {}
+        held = allowed if allowed is not None else (1 << len(self._by_wid)) - 1
+        seen, position = self._npu_walk(chunks, held, self._emit_hits, out)
+        if position and self._refresh():
+            self._touch(list(islice(chain.from_iterable(seen), position)))
+        return out
+
+    def _npu_walk(
+        self, chunks: Iterable[Sequence[int]], held: int, emit: Callable[[_Out, int, int], None], out: _Out
+    ) -> tuple[list[Sequence[int]], int]:
+        """The walk while no tier but NPU holds anything: one worker mask per position,
+        starting from ``held``; the workers leaving the mask at a position go to
+        ``emit(out, mask, position)``.  Chunks are pulled only up to the first key no
+        remaining worker holds.  Returns the chunks pulled and how many leading keys some
+        worker matched (for the recency touch)."""
+        get = self._masks[0].get
         seen: list[Sequence[int]] = []
         position = 0
         for chunk in chunks:
@@ -375,20 +389,14 @@ class PrefixIndex:
                 kept = held & (holders if holders >= 0 else 1 << ~holders)
                 if kept != held:
                     if position:
-                        self._emit_hits(out, held ^ kept, position)
+                        emit(out, held ^ kept, position)
                     if not kept:
-                        break
+                        return seen, position
                     held = kept
                 position += 1
-            else:
-                continue
-            break
-        else:
-            if position:
-                self._emit_hits(out, held, position)
-        if position and self._refresh():
-            self._touch(list(islice(chain.from_iterable(seen), position)))
-        return out
+        if position:
+            emit(out, held, position)
+        return seen, position
 
     def _emit_hits(self, out: dict[str, dict[int, TierHit]], mask: int, position: int) -> None:
         """Workers of ``mask`` hold ``position`` blocks.  A mask byte is one page of one
@@ -497,13 +505,14 @@ class PrefixIndex:
             allowed = self._inst_masks.get(instance, 0)
             if not allowed:
                 return {}
+            out: dict[int, tuple[int, int, int]] = {}
             if self._masks[1] or self._masks[2]:
                 pulled: list[int] = []
                 records, depth = self._walk(_recorded(chain.from_iterable(chunks), pulled), allowed)
                 out = self._resolve_ranks(records)
                 walked = pulled[:depth]
             else:
-                out, seen, depth = self._walk_npu(chunks, allowed)
+                seen, depth = self._npu_walk(chunks, allowed, self._emit_npu, out)
                 walked = list(islice(chain.from_iterable(seen), depth)) if depth and self._refresh() else []
             if walked and self._refresh():
                 self._touch(walked)
@@ -857,33 +866,6 @@ class PrefixIndex:
         end = position + 1
         records.append((end, in_npu, in_npu | in_cpu, in_npu | in_cpu | in_disk))
         return records, end
-
-    def _walk_npu(
-        self, chunks: Iterable[Sequence[int]], allowed: int
-    ) -> tuple[dict[int, tuple[int, int, int]], list[Sequence[int]], int]:
-        """:meth:`_walk` + :meth:`_resolve_ranks` when no tier but NPU holds anything: one
-        mask per position, a rank's hit ends where it leaves the mask.  Also returns the
-        chunks pulled and how many leading keys some rank matched (for the recency touch)."""
-        get = self._masks[0].get
-        out: dict[int, tuple[int, int, int]] = {}
-        seen: list[Sequence[int]] = []
-        held = allowed
-        position = 0
-        for chunk in chunks:
-            seen.append(chunk)
-            for key in chunk:
-                holders = get(key, 0)
-                kept = held & (holders if holders >= 0 else 1 << ~holders)
-                if kept != held:
-                    if position:
-                        self._emit_npu(out, held ^ kept, position)
-                    if not kept:
-                        return out, seen, position
-                    held = kept
-                position += 1
-        if position:
-            self._emit_npu(out, held, position)
-        return out, seen, position
 
     def _emit_npu(self, out: dict[int, tuple[int, int, int]], mask: int, position: int) -> None:
         hit = (position, 0, 0)

@@ -412,19 +412,18 @@ def enrich_batch(
     default_medium: str = MEDIUM_GPU,
 ) -> EventBatch:
     """Makes a batch self-describing, in place: rank, medium, block size and hash form set."""
-    convert = to_u64 if hash_form == "u64" else to_i64
     batch.dp_rank = dp_rank
     for event in batch.events:
         if type(event) is BlockStored:
-            event.block_hashes = [convert(h) for h in event.block_hashes]
+            event.block_hashes = _hashes_in_form(event.block_hashes, hash_form)
             if event.parent_block_hash is not None:
-                event.parent_block_hash = convert(event.parent_block_hash)
+                event.parent_block_hash = _hash_in_form(event.parent_block_hash, hash_form)
             if event.medium is None:
                 event.medium = default_medium
             if event.block_size <= 0:
                 event.block_size = block_size
         elif type(event) is BlockRemoved:
-            event.block_hashes = [convert(h) for h in event.block_hashes]
+            event.block_hashes = _hashes_in_form(event.block_hashes, hash_form)
             if event.medium is None:
                 event.medium = default_medium
     return batch
@@ -493,16 +492,23 @@ def adopt_batch(
 
 
 def _adopt_hashes(hashes: Any, hash_form: HashForm) -> Union[list[int], None]:
-    """``hashes`` in ``hash_form`` (the same list when already in it); None if not plain
-    64-bit ints (only the extremes are type-checked: the fan-in's decoder checks them all)."""
+    """``hashes`` in ``hash_form``; None if not plain 64-bit ints (only the extremes are
+    type-checked: the fan-in's decoder checks them all)."""
     if type(hashes) is not list or not hashes:
         return None
     low, high = min(hashes), max(hashes)
     if type(low) is not int or type(high) is not int or low < _I64_MIN or high > U64_MASK:
         return None
+    return _hashes_in_form(hashes, hash_form)
+
+
+def _hashes_in_form(hashes: list[int], hash_form: HashForm) -> list[int]:
+    """64-bit int hashes in ``hash_form``: the same list when every one already is."""
+    if not hashes:
+        return hashes
     if hash_form == "u64":
-        return hashes if low >= 0 else [h & U64_MASK for h in hashes]
-    return hashes if high <= _I64_MAX else [to_i64(h) for h in hashes]
+        return hashes if min(hashes) >= 0 else [to_u64(h) for h in hashes]
+    return hashes if max(hashes) <= _I64_MAX else [to_i64(h) for h in hashes]
 
 
 def _hash_in_form(value: int, hash_form: HashForm) -> int:
