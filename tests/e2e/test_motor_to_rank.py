@@ -26,11 +26,12 @@ PAGE = 128  # the example config's page-size / block-size
 PROMPT_WORDS = 1000  # ~5k tokens with the test model's tokenizer: the report's long prefix
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e_rig.Rig]:
-    work = tmp_path_factory.mktemp("e2e")
+@pytest.fixture(scope="module", params=["rust", "python"])
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[e2e_rig.Rig]:
+    """The whole path once per radix tree core SGLang 0.5.23 ships (Rust is its default)."""
+    work = tmp_path_factory.mktemp(f"e2e-{request.param}")
     model = sglang_server.make_model_dir(work / "model")
-    rig = e2e_rig.Rig(e2e_rig.RigSpec(work_dir=work, model_dir=model, page_size=PAGE))
+    rig = e2e_rig.Rig(e2e_rig.RigSpec(work_dir=work, model_dir=model, page_size=PAGE, tree_core=request.param))
     with rig:
         yield rig
 
