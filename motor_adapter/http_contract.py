@@ -29,6 +29,7 @@ __all__ = [
     "MSGPACK_TYPES",
     "token_ids_of",
     "u32_tokens",
+    "take_token_ids",
     "as_dict",
 ]
 
@@ -68,6 +69,17 @@ class QueryBody(msgspec.Struct, kw_only=True):
         if not self.model:
             raise RequestError(400, "bad_field", "model must be a non-empty string")
         return self.model, self.tenant_id or DEFAULT_TENANT, self.block_size
+
+
+def take_token_ids(raw: bytes, native: Any) -> tuple[bytes | None, bytes]:
+    """A msgpack ``/query`` body split by the C helpers (``native``: ``hashing.NATIVE``):
+    its ``token_ids`` as little-endian u32 bytes (None when there is no id array to take)
+    and the body without them, for the :class:`QueryBody` decoder - no Python int per id.
+    The same refusal as :func:`u32_tokens` for anything but integers in [0, 2^32)."""
+    try:
+        return native.take_token_ids(raw)
+    except ValueError as exc:
+        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
 
 
 # --------------------------------------------------------------------------- request fields

@@ -41,6 +41,7 @@ from motor_adapter.http_contract import (
     candidates_of,
     field_block_size,
     field_str,
+    take_token_ids,
     token_ids_of,
     u32_tokens,
 )
@@ -54,6 +55,7 @@ from motor_adapter.registry.durable import DurableRegistrations
 from motor_adapter.registry.spec import open_store
 from motor_adapter.settings import MAX_STREAMS_ENV, TOKEN_ENV, ServiceConfig
 from motor_adapter.state import AdapterState, AffinityFactory
+from sglang_kvpub.core import hashing
 from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.ratelimit import RateLimiter
 
@@ -155,6 +157,7 @@ class _Handlers:
         self._msgpack = msgspec.msgpack.Decoder()
         self._query_json = msgspec.json.Decoder(QueryBody)
         self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
+        self._native = hashing.NATIVE  # /query's msgpack ids go straight to u32 in C when built
         self._prompts = _PromptCache()
         self._register_lock = registry.lock  # restores and other replicas' changes take it too
 
@@ -248,13 +251,15 @@ class _Handlers:
         cache_key = self._prompts.key(raw, is_msgpack)
         prompt = self._prompts.get(cache_key, raw)
         if prompt is None:
-            body: QueryBody = self._parse(raw, is_msgpack, self._query_msgpack, self._query_json)
+            taken, rest = take_token_ids(raw, self._native) if is_msgpack and self._native else (None, raw)
+            body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
             model, tenant, block_size = body.common()
-            tokens: Sequence[int] | None = body.token_ids
-            if tokens is None:
+            ids: Sequence[int] | None = body.token_ids if taken is None else memoryview(taken).cast("I")
+            if ids is None:
                 fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
-                tokens = await asyncio.to_thread(self.state.tokens_of, model, fields)
-            keys = sequence_keys(u32_tokens(tokens), block_size)
+                ids = await asyncio.to_thread(self.state.tokens_of, model, fields)
+            tokens = ids if type(ids) is memoryview else u32_tokens(ids)
+            keys = sequence_keys(tokens, block_size)
             prompt = _Prompt(model, tenant, block_size, keys, len(tokens) // block_size)
             self._prompts.put(cache_key, raw, prompt)
         p = prompt

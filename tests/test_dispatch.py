@@ -244,8 +244,10 @@ def test_decisions_equal_the_rule_on_the_general_query_on_random_data() -> None:
 
 @pytest.mark.unit
 def test_cold_prompt_hashes_only_its_first_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sglang_kvpub.core.hashing as hashing_module
     import sglang_kvpub.core.index as index_module
 
+    monkeypatch.setattr(hashing_module, "NATIVE", None)  # the Python walk (the C one: tests/test_native.py)
     d = CacheAwareDispatcher(4, BLOCK)
     held = _tokens(6 * BLOCK)
     _store(d, 2, held[: 2 * BLOCK])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import random
+from array import array
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from sglang_kvpub.core.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys, tokens_u32
+from sglang_kvpub.core.hashing import chain_hashes, local_block_hashes, lora_seed, sequence_keys
 from sglang_kvpub.core.index import (
     TIER_CPU,
     TIER_DISK,
@@ -607,8 +608,8 @@ def test_longest_prefixes_equals_query_keys_on_random_data(media: list[str], cap
                 expected = _as_tuples(idx.query_keys(cut, [inst]).get(inst, {}))
                 assert idx.longest_prefixes(inst, cut) == expected
                 assert idx.longest_prefixes(inst, iter(cut)) == expected  # a one-shot iterator too
-                raw = memoryview(tokens_u32(toks)).cast("B")
-                assert idx.longest_prefixes_u32(inst, raw, len(cut)) == expected  # hashed as it walks
+                assert idx.longest_prefixes_tokens(inst, toks, len(cut)) == expected  # hashed as it walks
+                assert idx.longest_prefixes_tokens(inst, array("q", toks), len(cut)) == expected
 
 
 @pytest.mark.parametrize("medium", [MEDIUM_GPU, MEDIUM_CPU])

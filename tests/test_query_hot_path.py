@@ -163,3 +163,42 @@ def test_a_repeated_body_sees_the_index_as_it_is_now_in_json_or_msgpack(server: 
     status, json_answer = http(url, {"model": MODEL, "block_size": BS, "token_ids": tokens, "tenant_id": "default"})
     assert status == 200 and answer == json_answer
     assert answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["engine_dp_rank"] == 1
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-helpers", "python"])
+def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
+    native: bool, monkeypatch: pytest.MonkeyPatch, zctx: Any, make_server: Any
+) -> None:
+    """A msgpack body's ids go to u32 in C (``take_token_ids``) when the helpers are built:
+    the answers and the refusals must be the ones of the Python path, and of JSON."""
+    from sglang_kvpub.core import hashing
+
+    if native and hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built")
+    if not native:
+        monkeypatch.setattr(hashing, "NATIVE", None)
+    server = make_server()  # after the switch: the handlers read hashing.NATIVE when built
+    pub = Publisher(zctx, free_tcp_endpoint())
+    assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
+    connect(server, pub)
+    tokens = prompt(12, 5)
+    pub.store(tokens[: 3 * BS], rank=2)
+    url = server.url + "/query"
+    body = {"tenant_id": "default", "token_ids": tokens, "model": MODEL, "block_size": BS}
+
+    def matched() -> int:
+        return int(http(url, body)[1]["default"]["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"])
+
+    wait_for(lambda: matched() == 3 * BS, "the store is indexed")
+    assert http(url, body, use_msgpack=True) == http(url, body)
+    for bad in ([1, -2], [1, 1 << 32], [1, 2.5], [1, "2"]):
+        status, answer = http(url, {**body, "token_ids": bad}, use_msgpack=True)
+        assert (status, answer["error"]) == (400, "bad_field"), answer
+        assert "token_ids" in answer["detail"]  # the C helpers and the range check name the field
+    status, answer = http(url, {**body, "token_ids": "1 2"}, use_msgpack=True)
+    assert (status, answer["error"]) == (400, "bad_field")  # not an array: the struct decoder's refusal
+    truncated = msgpack.packb(body)[:-40]
+    status, answer = http(url, raw=truncated, headers={"Content-Type": "application/msgpack"})
+    assert (status, answer["error"]) == (400, "invalid_msgpack")
+    status, answer = http(url, {**body, "token_ids": None}, use_msgpack=True)
+    assert status == 400  # no ids and no prompt: nothing to tokenize (the tokenizer path's refusal)

@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from sglang_kvpub.core.hashing import BASE_SEED, lora_seed, tokens_u32
+from sglang_kvpub.core.hashing import BASE_SEED, lora_seed
 from sglang_kvpub.core.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BlockStored, Event, EventBatch
 
@@ -335,13 +335,11 @@ class CacheAwareDispatcher:
 
     def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, tuple[int, int, int]]:
         """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0.
-        The prompt is converted to u32 once (SGLang's ``array("q")`` costs a conversion);
-        its blocks are hashed as the index walk reaches them, so a cold prompt hashes one
-        block and a hit little more than its depth."""
-        blocks = len(token_ids) // self.block_size
-        raw = memoryview(tokens_u32(token_ids, blocks * self.block_size)).cast("B")  # slices copy nothing
+        Its blocks are hashed as the index walk reaches them (in C when the helpers are
+        built, reading SGLang's ``array("q")`` as it is), so a cold prompt hashes one block
+        and a hit little more than its depth."""
         seed = lora_seed(lora_name) if lora_name else BASE_SEED
-        return self.index.longest_prefixes_u32(self.instance, raw, blocks, seed)
+        return self.index.longest_prefixes_tokens(self.instance, token_ids, seed=seed)
 
     def _hotspot(self, spread: float, mean: float) -> bool:
         """Whether the chosen rank, ``spread`` above the least loaded, is a hot spot."""

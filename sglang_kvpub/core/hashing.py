@@ -10,14 +10,20 @@ prefixes, get different keys.  Only full blocks are hashed; a trailing partial b
 ignored.
 
 This module is the ONE implementation (every caller hashes through it); it is on every
-query and every stored event, hence the fast paths in :func:`tokens_u32`.
+query and every stored event, hence the fast paths in :func:`tokens_u32` and the optional
+C helpers (``sglang_kvpub.core._native``, docs/native.md): when built, the chained keys
+are computed in one C call with the same XXH3 code (the xxhash package's own), else by the
+Python loops below, which stay the reference.  ``KVPUB_NATIVE=0`` turns the helpers off.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import struct
 import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +31,7 @@ import xxhash
 
 __all__ = [
     "BASE_SEED",
+    "NATIVE",
     "chain_hashes",
     "chain_next",
     "chained_block_keys",
@@ -45,6 +52,49 @@ _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # native-order integer buffer formats 
 _PACKERS: dict[int, struct.Struct] = {}  # token count -> "<{n}I" packer (format parsing is costly)
 _PACKERS_MAX = 512
 _NUMPY: list[Any] = []  # [numpy module or None], once looked up
+_NATIVE_FUNCTIONS = ("chain_keys", "npu_walk", "u32_from_ints", "u32_from_msgpack", "take_token_ids")
+_NATIVE_ARRAYS = (array, memoryview)  # id containers the C helpers read as they are (itemsize 4 or 8)
+log = logging.getLogger(__name__)
+
+
+def _bind_native() -> Any:
+    """The C helpers, bound to the xxhash package's XXH3 and checked against the Python
+    loops on a few prompts; None (and the Python loops) when not built, turned off with
+    ``KVPUB_NATIVE=0``, or disagreeing."""
+    if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        from xxhash import _xxhash  # type: ignore[attr-defined]
+
+        from sglang_kvpub.core import _native  # type: ignore[attr-defined]
+
+        _native.bind(_xxhash.__file__)
+        for name in _NATIVE_FUNCTIONS:  # a build older than this source lacks some: not used
+            getattr(_native, name)
+    except (ImportError, AttributeError, OSError) as exc:
+        log.debug("native hashing helpers unavailable (%s): the Python loops hash", exc)
+        return None
+    for size, block in ((16, 4), (300, 128), (1100, 1024)):
+        ids = [(i * 2_654_435_761) & _U32 for i in range(size)]
+        raw = struct.pack(f"<{size}I", *ids)
+        blocks = size // block
+        if _native.chain_keys(raw, block, 7, BASE_SEED, 0, blocks) != _chained_py(raw, block, 7, BASE_SEED, 0, blocks):
+            log.warning("native hashing helpers disagree with the Python loops: not used")
+            return None
+    return _native
+
+
+def _chained_py(
+    raw: bytes | memoryview, block_size: int, seed: int, parent_key: int, start: int, end: int
+) -> list[int]:
+    step = block_size * 4
+    keys: list[int] = []
+    append = keys.append
+    key = parent_key
+    for i in range(start * step, end * step, step):
+        key = _xxh3(_pack_u64(_xxh3(raw[i : i + step], seed)), key)
+        append(key)
+    return keys
 
 
 def lora_seed(lora_name: str | None) -> int:
@@ -67,6 +117,8 @@ def _packer(count: int) -> struct.Struct:
 
 
 def _pack(tokens: Sequence[int]) -> bytes:
+    if NATIVE is not None and type(tokens) in (list, tuple):
+        return NATIVE.u32_from_ints(tokens)  # one pass, no argument tuple
     # One C call per prompt, faster than array("I", list); "<" makes it endian-proof.
     packer = _packer(len(tokens))
     try:
@@ -180,30 +232,36 @@ def sequence_keys(
 ) -> list[int]:
     """Chained keys for every full block of a prompt (at most the first ``max_blocks``):
     what the index is queried with.  ``chain_hashes(local_block_hashes(..))`` fused into
-    one loop: this is on every query, and the fused loop measures fastest."""
+    one loop (or one C call): this is on every query."""
     seed = lora_seed(lora_name) if lora_name else BASE_SEED
+    if NATIVE is not None and type(tokens) in _NATIVE_ARRAYS and block_size > 0 and _itemsize(tokens) >= 4:
+        # SGLang's array("q") as it is (the C loop casts 8-byte ids a block at a time), u32 views
+        blocks = len(tokens) // block_size
+        if max_blocks is not None:
+            blocks = max(min(blocks, max_blocks), 0)
+        try:
+            return NATIVE.chain_keys(tokens, block_size, seed, seed, 0, blocks)
+        except (TypeError, BufferError):
+            pass  # not an integer buffer it reads (floats, strided views): the generic path
     raw, end = _full_bytes(tokens, block_size, max_blocks)
-    step = block_size * 4
-    keys: list[int] = []
-    append = keys.append
-    key = seed
-    for i in range(0, end, step):
-        key = _xxh3(_pack_u64(_xxh3(raw[i : i + step], seed)), key)
-        append(key)
-    return keys
+    return chained_block_keys(raw, block_size, seed, seed, 0, end // (block_size * 4))
 
 
 def chained_block_keys(
-    raw: bytes | memoryview, block_size: int, seed: int, parent_key: int, start: int, end: int
+    raw: bytes | memoryview | array[int], block_size: int, seed: int, parent_key: int, start: int, end: int
 ) -> list[int]:
-    """Chained keys of blocks ``start..end-1`` of u32 bytes ``raw`` (:func:`tokens_u32`),
-    block ``start`` hanging under ``parent_key``: one slice of :func:`sequence_keys`, for
-    callers that hash a prompt a chunk at a time (pass a memoryview: slices are not copied)."""
-    step = block_size * 4
-    keys: list[int] = []
-    append = keys.append
-    key = parent_key
-    for i in range(start * step, end * step, step):
-        key = _xxh3(_pack_u64(_xxh3(raw[i : i + step], seed)), key)
-        append(key)
-    return keys
+    """Chained keys of blocks ``start..end-1`` of u32 bytes ``raw`` (:func:`tokens_u32`; an
+    integer ``array`` is taken as its ids), block ``start`` hanging under ``parent_key``: one
+    slice of :func:`sequence_keys`, for callers that hash a prompt a chunk at a time (pass a
+    memoryview: slices are not copied)."""
+    if NATIVE is not None:
+        return NATIVE.chain_keys(raw, block_size, seed, parent_key, start, end)
+    u32 = tokens_u32(raw, end * block_size) if isinstance(raw, array) else raw
+    return _chained_py(u32, block_size, seed, parent_key, start, end)
+
+
+def _itemsize(tokens: Any) -> int:
+    return int(tokens.itemsize)
+
+
+NATIVE: Any = _bind_native()

@@ -52,6 +52,7 @@ import heapq
 import logging
 import sys
 import threading
+from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
@@ -59,7 +60,8 @@ from typing import TypeVar
 
 from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 
-from .hashing import (  # the hot walk of longest_prefixes_u32 inlines the chaining
+from . import hashing
+from .hashing import (  # the Python walk of longest_prefixes_tokens inlines the chaining
     BASE_SEED,
     _pack_u64,
     _xxh3,
@@ -86,6 +88,7 @@ log = logging.getLogger(__name__)
 _Out = TypeVar("_Out")  # what an NPU walk emits into (see PrefixIndex._npu_walk)
 
 _U64 = (1 << 64) - 1
+_NATIVE_HELD_LIMIT = 1 << 64  # the C walk takes worker masks of at most 64 bits
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
 _PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
@@ -452,26 +455,51 @@ class PrefixIndex:
         instance holds in any tier - the keys after it cannot change the answer."""
         return self.longest_prefixes_chunked(instance, ((key,) for key in keys))
 
-    def longest_prefixes_u32(
-        self, instance: str, raw: memoryview, blocks: int, seed: int = BASE_SEED
+    def longest_prefixes_tokens(
+        self, instance: str, token_ids: Sequence[int], blocks: int | None = None, seed: int = BASE_SEED
     ) -> dict[int, tuple[int, int, int]]:
-        """:meth:`longest_prefixes` of a prompt given as u32 bytes (``hashing.tokens_u32``,
-        ``blocks`` full blocks, hashed with ``seed``): each block is hashed and chained
+        """:meth:`longest_prefixes` of a prompt's token ids (its first ``blocks`` full
+        blocks, all by default, hashed with ``seed``): each block is hashed and chained
         (:func:`hashing.sequence_keys`) as the walk reaches it, so the hashing stops at the
-        first block no rank of ``instance`` holds.  The dispatcher's hot path: hashing and
-        walk in one loop while only NPU holds blocks."""
+        first block no rank of ``instance`` holds.  The dispatcher's hot path: while only
+        NPU holds blocks, hashing and walk are one loop, in C when the helpers are built
+        (``hashing.NATIVE``; SGLang's ``array("q")`` is read as it is)."""
+        count = len(token_ids) // self.block_size
+        blocks = count if blocks is None else max(0, min(blocks, count))
+        if not (hashing.NATIVE is not None and type(token_ids) is array and token_ids.itemsize >= 4):
+            token_ids = memoryview(tokens_u32(token_ids, blocks * self.block_size)).cast("B")  # slices copy nothing
         with self._lock:
             if not (self._masks[1] or self._masks[2]):
-                return self._walk_u32(instance, raw, blocks, seed)
+                return self._walk_tokens(instance, token_ids, blocks, seed)
+        raw = token_ids if type(token_ids) is memoryview else memoryview(tokens_u32(token_ids)).cast("B")
         return self.longest_prefixes_chunked(instance, _key_chunks(raw, self.block_size, seed, blocks))
 
-    def _walk_u32(self, instance: str, raw: memoryview, blocks: int, seed: int) -> dict[int, tuple[int, int, int]]:
-        """:meth:`longest_prefixes_u32` over the NPU tier alone (under the lock)."""
+    def _walk_tokens(
+        self, instance: str, tokens: memoryview | array[int], blocks: int, seed: int
+    ) -> dict[int, tuple[int, int, int]]:
+        """:meth:`longest_prefixes_tokens` over the NPU tier alone (under the lock); ``tokens``
+        u32 bytes, or an integer array for the C walk."""
         self._queries += 1
         held = self._inst_masks.get(instance, 0)
         out: dict[int, tuple[int, int, int]] = {}
         if not held:
             return out
+        native = hashing.NATIVE
+        if native is not None and held < _NATIVE_HELD_LIMIT:
+            ends, position = native.npu_walk(tokens, self.block_size, seed, blocks, self._masks[0], held)
+            for depth, mask in ends:
+                self._emit_npu(out, mask, depth)
+        else:
+            raw = tokens if type(tokens) is memoryview else memoryview(tokens_u32(tokens, blocks * self.block_size))
+            position = self._walk_u32(out, held, raw, blocks, seed)
+        if position and self._refresh():
+            self._touch(chained_block_keys(tokens, self.block_size, seed, seed, 0, position))
+        return out
+
+    def _walk_u32(
+        self, out: dict[int, tuple[int, int, int]], held: int, raw: memoryview, blocks: int, seed: int
+    ) -> int:
+        """The Python walk of :meth:`_walk_tokens` over u32 bytes ``raw``; the deepest position."""
         get = self._masks[0].get
         step = self.block_size * 4
         key = seed
@@ -490,9 +518,7 @@ class PrefixIndex:
         else:
             if position:
                 self._emit_npu(out, held, position)
-        if position and self._refresh():
-            self._touch(chained_block_keys(raw, self.block_size, seed, seed, 0, position))
-        return out
+        return position
 
     def longest_prefixes_chunked(
         self, instance: str, chunks: Iterable[Sequence[int]]
