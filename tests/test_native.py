@@ -251,3 +251,16 @@ def test_take_token_ids_leaves_what_it_does_not_take(raw: bytes) -> None:
 def test_take_token_ids_refuses_bad_ids() -> None:
     with pytest.raises(ValueError, match=r"token_ids\[2\]"):
         NATIVE.take_token_ids(msgpack.packb({"model": "m", "token_ids": [1, 2, -3]}))
+
+
+@needs_native
+def test_u32_from_ints_takes_what_struct_takes() -> None:
+    numpy = pytest.importorskip("numpy")
+    ids = [0, 1, 0xFFFFFFFF, -1, 1 << 40 | 7, True, numpy.int64(5), numpy.uint32(9)]
+    expected = hashing._packer(len(ids)).pack(*[int(i) & 0xFFFFFFFF for i in ids])
+    assert NATIVE.u32_from_ints(ids) == expected
+    assert NATIVE.u32_from_ints(tuple(ids)) == expected
+    with pytest.raises(TypeError):
+        NATIVE.u32_from_ints([1, 2.0])
+    with pytest.raises(TypeError):
+        NATIVE.u32_from_ints(array("I", [1]))

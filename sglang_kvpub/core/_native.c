@@ -284,7 +284,7 @@ static PyObject *native_npu_walk(PyObject *self, PyObject *args) {
 /* u32_from_ints(ids) -> bytes
  *
  * hashing.tokens_u32 of a list or tuple of ints: little-endian u32 bytes, each id cast
- * `& 0xFFFFFFFF` as the conductor casts it; TypeError for an item that is no int. */
+ * `& 0xFFFFFFFF` as the conductor casts it; TypeError for an item that is no integer. */
 static PyObject *native_u32_from_ints(PyObject *self, PyObject *arg) {
     if (!PyList_Check(arg) && !PyTuple_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "token ids must be a list or a tuple");
@@ -299,10 +299,15 @@ static PyObject *native_u32_from_ints(PyObject *self, PyObject *arg) {
     uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(out);
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = items[i];
-        if (!PyLong_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "token ids must be integers, got %.50s at %zd", Py_TYPE(item)->tp_name, i);
-            Py_DECREF(out);
-            return NULL;
+        if (!PyLong_Check(item)) { /* numpy ints and other __index__ types, as struct takes them */
+            PyObject *index = PyNumber_Index(item);
+            if (index == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            ids[i] = (uint32_t)PyLong_AsUnsignedLongLongMask(index);
+            Py_DECREF(index);
+            continue;
         }
         ids[i] = (uint32_t)PyLong_AsUnsignedLongLongMask(item); /* little-endian host */
     }
