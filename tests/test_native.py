@@ -264,3 +264,31 @@ def test_u32_from_ints_takes_what_struct_takes() -> None:
         NATIVE.u32_from_ints([1, 2.0])
     with pytest.raises(TypeError):
         NATIVE.u32_from_ints(array("I", [1]))
+
+
+@needs_native
+def test_router_queries_answer_the_same_with_and_without_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrefixIndex.query`` over many instances (worker sets past 64 bits): the C emission
+    of the per-instance hits equals the Python one, key order included."""
+    rng = random.Random(5)
+    block = 4
+    index = PrefixIndex(block, capacity_blocks=None)
+    prompts = []
+    for instance in range(12):
+        for rank in range(9):
+            for _ in range(3):
+                prompt = _ids(rng, block * rng.randrange(1, 8), 6)  # tiny vocabulary: many ranks share prefixes
+                hashes = [rng.getrandbits(63) for _ in range(len(prompt) // block)]
+                batch = EventBatch(0.0, [BlockStored(hashes, None, prompt, block)], rank)
+                index.apply_batch(f"inst-{instance}", batch, rank)
+                prompts.append(prompt)
+    index.clear_rank("inst-3", 4)  # a hole in the worker ids
+    queries = [p[: rng.randrange(len(p) + 1)] + _ids(rng, rng.randrange(2 * block), 6) for p in prompts]
+    native = [index.query(q) for q in queries]
+    assert sum(len(ranks) for answer in native for ranks in answer.values()) > 200
+    monkeypatch.setattr(hashing, "NATIVE", None)
+    python = [index.query(q) for q in queries]
+    assert native == python
+    assert [[list(ranks) for ranks in answer.values()] for answer in native] == [
+        [list(ranks) for ranks in answer.values()] for answer in python
+    ]

@@ -314,6 +314,103 @@ static PyObject *native_u32_from_ints(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* emit_hits(out, mask_bytes, hit, rank_of, pages) -> None
+ *
+ * PrefixIndex._emit_hits: every worker of a mask (its little-endian bytes; byte i is page i,
+ * bit b of it worker 8*i+b) holds `hit`: out[pages[i]][rank_of[8*i+b]] = hit, the
+ * per-instance dicts made as needed. */
+static PyObject *native_emit_hits(PyObject *self, PyObject *args) {
+    PyObject *out, *hit, *rank_of, *pages;
+    Py_buffer mask;
+    if (!PyArg_ParseTuple(args, "O!y*OO!O!", &PyDict_Type, &out, &mask, &hit, &PyList_Type, &rank_of, &PyList_Type,
+                          &pages)) {
+        return NULL;
+    }
+    const unsigned char *bytes = mask.buf;
+    int failed = 0;
+    for (Py_ssize_t page = 0; !failed && page < mask.len; page++) {
+        const unsigned char byte = bytes[page];
+        if (byte == 0) {
+            continue;
+        }
+        if (page >= PyList_GET_SIZE(pages) || 8 * page + 7 >= PyList_GET_SIZE(rank_of)) {
+            PyErr_SetString(PyExc_IndexError, "mask names a worker beyond the index's tables");
+            failed = 1;
+            break;
+        }
+        PyObject *instance = PyList_GET_ITEM(pages, page);
+        PyObject *ranks = PyDict_GetItemWithError(out, instance); /* borrowed */
+        if (ranks == NULL) {
+            if (PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            ranks = PyDict_New();
+            failed = ranks == NULL || PyDict_SetItem(out, instance, ranks) != 0;
+            Py_XDECREF(ranks); /* out holds it */
+            if (failed) {
+                break;
+            }
+        }
+        for (int bit = 0; bit < 8; bit++) {
+            if ((byte >> bit) & 1) {
+                PyObject *rank = PyList_GET_ITEM(rank_of, 8 * page + bit);
+                if (PyDict_SetItem(ranks, rank, hit) != 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+        }
+    }
+    PyBuffer_Release(&mask);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* emit_ranks(out, mask_bytes, hit, rank_of) -> None
+ *
+ * PrefixIndex._emit_npu: out[rank_of[w]] = hit for every worker w of the mask (its
+ * little-endian bytes) that still has a rank (rank_of[w] >= 0). */
+static PyObject *native_emit_ranks(PyObject *self, PyObject *args) {
+    PyObject *out, *hit, *rank_of;
+    Py_buffer mask;
+    if (!PyArg_ParseTuple(args, "O!y*OO!", &PyDict_Type, &out, &mask, &hit, &PyList_Type, &rank_of)) {
+        return NULL;
+    }
+    const unsigned char *bytes = mask.buf;
+    const Py_ssize_t workers = PyList_GET_SIZE(rank_of);
+    int failed = 0;
+    for (Py_ssize_t page = 0; !failed && page < mask.len; page++) {
+        for (int bit = 0; bytes[page] != 0 && bit < 8; bit++) {
+            if (!((bytes[page] >> bit) & 1)) {
+                continue;
+            }
+            if (8 * page + bit >= workers) {
+                PyErr_SetString(PyExc_IndexError, "mask names a worker beyond the index's tables");
+                failed = 1;
+                break;
+            }
+            PyObject *rank = PyList_GET_ITEM(rank_of, 8 * page + bit);
+            const long value = PyLong_AsLong(rank);
+            if (value == -1 && PyErr_Occurred()) {
+                failed = 1;
+                break;
+            }
+            if (value >= 0 && PyDict_SetItem(out, rank, hit) != 0) {
+                failed = 1;
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&mask);
+    if (failed) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 /* Reads a big-endian unsigned integer of `size` bytes. */
 static uint64_t read_be(const unsigned char *at, int size) {
     uint64_t value = 0;
@@ -623,6 +720,10 @@ static PyMethodDef native_methods[] = {
      "chain_keys(tokens, block_size, seed, parent, start, end) -> chained block keys (list of int)."},
     {"npu_walk", native_npu_walk, METH_VARARGS,
      "npu_walk(tokens, block_size, seed, blocks, masks, held) -> (ends, depth): the NPU walk, hashing fused in."},
+    {"emit_hits", native_emit_hits, METH_VARARGS,
+     "emit_hits(out, mask_bytes, hit, rank_of, pages): out[pages[i]][rank_of[8*i+b]] = hit per set bit."},
+    {"emit_ranks", native_emit_ranks, METH_VARARGS,
+     "emit_ranks(out, mask_bytes, hit, rank_of): out[rank_of[w]] = hit per set bit w with a rank."},
     {"u32_from_ints", native_u32_from_ints, METH_O,
      "u32_from_ints(ids) -> little-endian u32 bytes of a list or tuple of ints (each cast & 0xFFFFFFFF)."},
     {"u32_from_msgpack", native_u32_from_msgpack, METH_O,

@@ -52,7 +52,15 @@ _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # native-order integer buffer formats 
 _PACKERS: dict[int, struct.Struct] = {}  # token count -> "<{n}I" packer (format parsing is costly)
 _PACKERS_MAX = 512
 _NUMPY: list[Any] = []  # [numpy module or None], once looked up
-_NATIVE_FUNCTIONS = ("chain_keys", "npu_walk", "u32_from_ints", "u32_from_msgpack", "take_token_ids")
+_NATIVE_FUNCTIONS = (
+    "chain_keys",
+    "npu_walk",
+    "emit_hits",
+    "emit_ranks",
+    "u32_from_ints",
+    "u32_from_msgpack",
+    "take_token_ids",
+)
 _NATIVE_ARRAYS = (array, memoryview)  # id containers the C helpers read as they are (itemsize 4 or 8)
 log = logging.getLogger(__name__)
 
@@ -69,7 +77,7 @@ def _bind_native() -> Any:
         from sglang_kvpub.core import _native  # type: ignore[attr-defined]
 
         _native.bind(_xxhash.__file__)
-        for name in _NATIVE_FUNCTIONS:  # a build older than this source lacks some: not used
+        for name in _NATIVE_FUNCTIONS:
             getattr(_native, name)
     except (ImportError, AttributeError, OSError) as exc:
         log.debug("native hashing helpers unavailable (%s): the Python loops hash", exc)

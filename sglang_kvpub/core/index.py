@@ -407,7 +407,11 @@ class PrefixIndex:
         hit = self._hit(position, 0, 0)
         rank_of = self._rank_of
         pages = self._pages
-        for page, byte in enumerate(mask.to_bytes((mask.bit_length() + 7) // 8, "little")):
+        mask_bytes = mask.to_bytes((mask.bit_length() + 7) // 8, "little")
+        if hashing.NATIVE is not None:  # the same inserts, without a comprehension per byte
+            hashing.NATIVE.emit_hits(out, mask_bytes, hit, rank_of, pages)
+            return
+        for page, byte in enumerate(mask_bytes):
             if byte:
                 base = page * _PAGE
                 fresh = {rank_of[base + bit]: hit for bit in _BYTE_BITS[byte]}
@@ -895,6 +899,9 @@ class PrefixIndex:
 
     def _emit_npu(self, out: dict[int, tuple[int, int, int]], mask: int, position: int) -> None:
         hit = (position, 0, 0)
+        if hashing.NATIVE is not None:
+            hashing.NATIVE.emit_ranks(out, mask.to_bytes((mask.bit_length() + 7) // 8, "little"), hit, self._rank_of)
+            return
         by_wid = self._by_wid
         while mask:
             low = mask & -mask
