@@ -314,6 +314,35 @@ static PyObject *native_u32_from_ints(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* target[rank_of[8*page + b]] = hit for each set bit b of `byte` (ranks below 0 skipped when
+ * `ranked_only`); -1 with an exception set on failure. */
+static int insert_page(PyObject *target, unsigned char byte, Py_ssize_t page, PyObject *hit, PyObject *rank_of,
+                       int ranked_only) {
+    if (8 * page + 8 > PyList_GET_SIZE(rank_of)) {
+        PyErr_SetString(PyExc_IndexError, "mask names a worker beyond the index's tables");
+        return -1;
+    }
+    for (int bit = 0; bit < 8; bit++) {
+        if (!((byte >> bit) & 1)) {
+            continue;
+        }
+        PyObject *rank = PyList_GET_ITEM(rank_of, 8 * page + bit);
+        if (ranked_only) {
+            const long value = PyLong_AsLong(rank);
+            if (value == -1 && PyErr_Occurred()) {
+                return -1;
+            }
+            if (value < 0) {
+                continue;
+            }
+        }
+        if (PyDict_SetItem(target, rank, hit) != 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* emit_hits(out, mask_bytes, hit, rank_of, pages) -> None
  *
  * PrefixIndex._emit_hits: every worker of a mask (its little-endian bytes; byte i is page i,
@@ -329,38 +358,24 @@ static PyObject *native_emit_hits(PyObject *self, PyObject *args) {
     const unsigned char *bytes = mask.buf;
     int failed = 0;
     for (Py_ssize_t page = 0; !failed && page < mask.len; page++) {
-        const unsigned char byte = bytes[page];
-        if (byte == 0) {
+        if (bytes[page] == 0) {
             continue;
         }
-        if (page >= PyList_GET_SIZE(pages) || 8 * page + 7 >= PyList_GET_SIZE(rank_of)) {
-            PyErr_SetString(PyExc_IndexError, "mask names a worker beyond the index's tables");
+        if (page >= PyList_GET_SIZE(pages)) {
+            PyErr_SetString(PyExc_IndexError, "mask names a page beyond the index's tables");
             failed = 1;
             break;
         }
         PyObject *instance = PyList_GET_ITEM(pages, page);
         PyObject *ranks = PyDict_GetItemWithError(out, instance); /* borrowed */
-        if (ranks == NULL) {
-            if (PyErr_Occurred()) {
-                failed = 1;
-                break;
-            }
+        if (ranks == NULL && !PyErr_Occurred()) {
             ranks = PyDict_New();
-            failed = ranks == NULL || PyDict_SetItem(out, instance, ranks) != 0;
+            if (ranks != NULL && PyDict_SetItem(out, instance, ranks) != 0) {
+                Py_CLEAR(ranks);
+            }
             Py_XDECREF(ranks); /* out holds it */
-            if (failed) {
-                break;
-            }
         }
-        for (int bit = 0; bit < 8; bit++) {
-            if ((byte >> bit) & 1) {
-                PyObject *rank = PyList_GET_ITEM(rank_of, 8 * page + bit);
-                if (PyDict_SetItem(ranks, rank, hit) != 0) {
-                    failed = 1;
-                    break;
-                }
-            }
-        }
+        failed = ranks == NULL || insert_page(ranks, bytes[page], page, hit, rank_of, 0) != 0;
     }
     PyBuffer_Release(&mask);
     if (failed) {
@@ -380,29 +395,9 @@ static PyObject *native_emit_ranks(PyObject *self, PyObject *args) {
         return NULL;
     }
     const unsigned char *bytes = mask.buf;
-    const Py_ssize_t workers = PyList_GET_SIZE(rank_of);
     int failed = 0;
     for (Py_ssize_t page = 0; !failed && page < mask.len; page++) {
-        for (int bit = 0; bytes[page] != 0 && bit < 8; bit++) {
-            if (!((bytes[page] >> bit) & 1)) {
-                continue;
-            }
-            if (8 * page + bit >= workers) {
-                PyErr_SetString(PyExc_IndexError, "mask names a worker beyond the index's tables");
-                failed = 1;
-                break;
-            }
-            PyObject *rank = PyList_GET_ITEM(rank_of, 8 * page + bit);
-            const long value = PyLong_AsLong(rank);
-            if (value == -1 && PyErr_Occurred()) {
-                failed = 1;
-                break;
-            }
-            if (value >= 0 && PyDict_SetItem(out, rank, hit) != 0) {
-                failed = 1;
-                break;
-            }
-        }
+        failed = bytes[page] != 0 && insert_page(out, bytes[page], page, hit, rank_of, 1) != 0;
     }
     PyBuffer_Release(&mask);
     if (failed) {
@@ -735,6 +730,7 @@ static PyMethodDef native_methods[] = {
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "_native", "Optional C helpers for sglang_kvpub.core.hashing.", -1, native_methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
