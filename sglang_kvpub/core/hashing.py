@@ -61,7 +61,6 @@ _NATIVE_FUNCTIONS = (
     "u32_from_msgpack",
     "take_token_ids",
 )
-_NATIVE_ARRAYS = (array, memoryview)  # id containers the C helpers read as they are (itemsize 4 or 8)
 log = logging.getLogger(__name__)
 
 
@@ -242,7 +241,7 @@ def sequence_keys(
     what the index is queried with.  ``chain_hashes(local_block_hashes(..))`` fused into
     one loop (or one C call): this is on every query."""
     seed = lora_seed(lora_name) if lora_name else BASE_SEED
-    if NATIVE is not None and type(tokens) in _NATIVE_ARRAYS and block_size > 0 and _itemsize(tokens) >= 4:
+    if NATIVE is not None and isinstance(tokens, (array, memoryview)) and tokens.itemsize >= 4 and block_size > 0:
         # SGLang's array("q") as it is (the C loop casts 8-byte ids a block at a time), u32 views
         blocks = len(tokens) // block_size
         if max_blocks is not None:
@@ -266,10 +265,6 @@ def chained_block_keys(
         return NATIVE.chain_keys(raw, block_size, seed, parent_key, start, end)
     u32 = tokens_u32(raw, end * block_size) if isinstance(raw, array) else raw
     return _chained_py(u32, block_size, seed, parent_key, start, end)
-
-
-def _itemsize(tokens: Any) -> int:
-    return int(tokens.itemsize)
 
 
 NATIVE: Any = _bind_native()

@@ -191,6 +191,11 @@ def _token_key_chunks(tokens: Sequence[int], block_size: int, seed: int, blocks:
         start, end = end, 2 * end
 
 
+def _u32_view(tokens: Sequence[int], limit: int) -> memoryview:
+    """The first ``limit`` ids as u32 bytes (``hashing.tokens_u32``); u32 bytes as they are."""
+    return tokens if type(tokens) is memoryview else memoryview(tokens_u32(tokens, limit)).cast("B")
+
+
 def _key_chunks(raw: memoryview, block_size: int, seed: int, blocks: int) -> Iterator[list[int]]:
     """A prompt's chained keys in growing chunks (16 blocks, then doubling), hashed lazily."""
     key, start, end = seed, 0, _FIRST_CHUNK_BLOCKS
@@ -470,13 +475,15 @@ class PrefixIndex:
         (``hashing.NATIVE``; SGLang's ``array("q")`` is read as it is)."""
         count = len(token_ids) // self.block_size
         blocks = count if blocks is None else max(0, min(blocks, count))
+        limit = blocks * self.block_size
         if not (hashing.NATIVE is not None and type(token_ids) is array and token_ids.itemsize >= 4):
-            token_ids = memoryview(tokens_u32(token_ids, blocks * self.block_size)).cast("B")  # slices copy nothing
+            token_ids = _u32_view(token_ids, limit)
         with self._lock:
             if not (self._masks[1] or self._masks[2]):
                 return self._walk_tokens(instance, token_ids, blocks, seed)
-        raw = token_ids if type(token_ids) is memoryview else memoryview(tokens_u32(token_ids)).cast("B")
-        return self.longest_prefixes_chunked(instance, _key_chunks(raw, self.block_size, seed, blocks))
+        return self.longest_prefixes_chunked(
+            instance, _key_chunks(_u32_view(token_ids, limit), self.block_size, seed, blocks)
+        )
 
     def _walk_tokens(
         self, instance: str, tokens: memoryview | array[int], blocks: int, seed: int
@@ -494,8 +501,7 @@ class PrefixIndex:
             for depth, mask in ends:
                 self._emit_npu(out, mask, depth)
         else:
-            raw = tokens if type(tokens) is memoryview else memoryview(tokens_u32(tokens, blocks * self.block_size))
-            position = self._walk_u32(out, held, raw, blocks, seed)
+            position = self._walk_u32(out, held, _u32_view(tokens, blocks * self.block_size), blocks, seed)
         if position and self._refresh():
             self._touch(chained_block_keys(tokens, self.block_size, seed, seed, 0, position))
         return out
