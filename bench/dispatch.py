@@ -19,7 +19,7 @@ a request it has just unpickled, whose ids are still in the CPU cache; the index
 as 153k keys make it.
 ``timer_stalls_*``: the floor of this machine, measured in the same run (``_timer_stalls``).
 ``hashing``: whether the C helpers ran (docs/native.md); ``KVPUB_NATIVE=0`` runs the Python
-path for a side-by-side figure.
+path for a side-by-side figure; ``npu_walk_table``: whether the index walked its flat C table.
 Also: hashing alone (``hashing.sequence_keys`` on the array), the same on a list (the router's
 path), and the round-robin baseline: SGLang 0.5.23's own selection cost, i.e. a counter
 modulo the active ranks.  The routing-quality side is bench/routing.py
@@ -203,6 +203,7 @@ def main() -> None:
             "reasons": {k: v for k, v in stats["decisions"].items() if v},
             "gc": "enabled (workload garbage collected before timing)",
             "hashing": "c helpers" if hashing.NATIVE is not None else "python (KVPUB_NATIVE=0 or not built)",
+            "npu_walk_table": dispatcher.index.npu_walk_table,
             **_timer_stalls(),
             "loadavg_1m": round(os.getloadavg()[0], 2),
         }

@@ -109,8 +109,16 @@ def _python_walk(tokens: list[int], block_size: int, masks: dict[int, int], held
     return ends, position
 
 
+def _key_masks(masks: dict[int, int]) -> Any:
+    table = NATIVE.KeyMasks()
+    for key, value in masks.items():
+        table[key] = value
+    return table
+
+
 @needs_native
-def test_npu_walk_equals_the_linear_walk_on_random_masks() -> None:
+@pytest.mark.parametrize("table", ["dict", "KeyMasks"])
+def test_npu_walk_equals_the_linear_walk_on_random_masks(table: str) -> None:
     rng = random.Random(3)
     block = 8
     for _ in range(300):
@@ -126,8 +134,83 @@ def test_npu_walk_equals_the_linear_walk_on_random_masks() -> None:
             else:
                 masks[key] = rng.getrandbits(rng.choice([8, 64, 100]))  # masks past 64 bits: only the low 64 meet
         held = rng.getrandbits(64) | 1
-        got = NATIVE.npu_walk(array("q", tokens), block, hashing.BASE_SEED, len(tokens) // block, masks, held)
-        assert (list(got[0]), got[1]) == _python_walk(tokens, block, masks, held)
+        walked = masks if table == "dict" else _key_masks(masks)
+        blocks = len(tokens) // block
+        got = NATIVE.npu_walk(array("q", tokens), block, hashing.BASE_SEED, blocks, walked, held)
+        expected = _python_walk(tokens, block, masks, held)
+        assert (list(got[0]), got[1]) == expected
+        # The same walk emitting straight into rank -> (depth, 0, 0), as PrefixIndex._emit_npu.
+        rank_of = [wid % 5 if wid % 7 else -1 for wid in range(64)]  # -1: a worker without a rank
+        out: dict[int, tuple[int, int, int]] = {}
+        depth = NATIVE.npu_walk_ranks(array("q", tokens), block, hashing.BASE_SEED, blocks, walked, held, out, rank_of)
+        reference: dict[int, tuple[int, int, int]] = {}
+        for position, mask in expected[0]:
+            for wid in range(64):
+                if mask >> wid & 1 and rank_of[wid] >= 0:
+                    reference[rank_of[wid]] = (position, 0, 0)
+        assert (out, depth) == (reference, expected[1])
+
+
+@needs_native
+def test_key_masks_table_follows_every_write_of_the_dict() -> None:
+    rng = random.Random(5)
+    table = NATIVE.KeyMasks()
+    model: dict[int, int] = {}
+    keys = [rng.getrandbits(64) for _ in range(3000)] + list(range(64))  # small ints too
+
+    def low_bits(value: int) -> int:
+        if value >= 0:
+            return value & ((1 << 64) - 1)
+        return 1 << ~value if ~value < 64 else 0
+
+    for step in range(60_000):
+        key = rng.choice(keys)
+        roll = rng.random()
+        if roll < 0.5:
+            value = rng.choice([~rng.randrange(80), rng.getrandbits(rng.choice([3, 64, 90])), 0])
+            table[key] = model[key] = value
+        elif roll < 0.7:
+            if key in model:
+                del table[key]
+                del model[key]
+            else:
+                with pytest.raises(KeyError):
+                    del table[key]
+        elif roll < 0.95:
+            assert table.pop(key, None) == model.pop(key, None)
+        elif step % 97 == 0:
+            table.clear()
+            model.clear()
+        if step % 500 == 0:
+            assert dict(table) == model and list(table) == list(model)  # insertion order kept
+            assert table.table_len() == sum(1 for v in model.values() if low_bits(v))
+            assert all(table.table_get(k) == low_bits(model.get(k, 0)) for k in keys)
+    assert all(table.table_get(k) == low_bits(model.get(k, 0)) for k in keys)
+
+
+@needs_native
+def test_key_masks_refuses_writes_that_would_bypass_its_table() -> None:
+    table = NATIVE.KeyMasks()
+    table[1] = 3
+    for write in (
+        lambda: table.update({2: 1}),
+        lambda: table.setdefault(2, 1),
+        lambda: table.popitem(),
+        lambda: table.__ior__({2: 1}),
+        lambda: NATIVE.KeyMasks({2: 1}),
+    ):
+        with pytest.raises(TypeError):
+            write()
+    with pytest.raises(TypeError):
+        table["a"] = 1  # keys are u64 ints
+    with pytest.raises(OverflowError):
+        table[-1] = 1
+    with pytest.raises(TypeError):
+        table[2] = 1.0  # values are int holders
+    with pytest.raises(KeyError):
+        table.pop(9)
+    assert dict(table) == {1: 3} and table.table_get(1) == 3 and table.table_get(2) == 0
+    assert sys.getsizeof(table) > sys.getsizeof({1: 3})  # the table is counted
 
 
 @needs_native
@@ -139,8 +222,8 @@ def test_npu_walk_takes_only_dicts_and_64_bit_worker_sets() -> None:
         NATIVE.npu_walk(tokens, 4, 1, 4, {}, 1 << 64)
 
 
-def _populated(rng: random.Random, ranks: int, block: int) -> tuple[PrefixIndex, list[list[int]]]:
-    index = PrefixIndex(block, capacity_blocks=None)
+def _populated(rng: random.Random, ranks: int, block: int, **options: Any) -> tuple[PrefixIndex, list[list[int]]]:
+    index = PrefixIndex(block, **{"capacity_blocks": None, **options})
     prompts = []
     for rank in range(ranks):
         for _ in range(6):
@@ -155,10 +238,18 @@ def _populated(rng: random.Random, ranks: int, block: int) -> tuple[PrefixIndex,
 
 
 @needs_native
-def test_index_and_dispatcher_answer_the_same_with_and_without_the_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"npu_walk_table": True}, {"npu_walk_table": True, "capacity_blocks": 120}],
+    ids=["dict", "walk-table", "walk-table-evicting"],
+)
+def test_index_and_dispatcher_answer_the_same_with_and_without_the_helpers(
+    monkeypatch: pytest.MonkeyPatch, options: dict[str, Any]
+) -> None:
     rng = random.Random(11)
     block = 4
-    index, prompts = _populated(rng, 8, block)
+    index, prompts = _populated(rng, 8, block, **options)
+    assert type(index._masks[0]).__name__ == ("KeyMasks" if options else "dict")
     queries = [p[: rng.randrange(len(p) + 1)] + _ids(rng, rng.randrange(3 * block), 40) for p in prompts]
     queries += [_ids(rng, 6 * block, 40) for _ in range(20)]
     native = [index.longest_prefixes_tokens("i", array("q", q)) for q in queries]
@@ -178,6 +269,75 @@ def test_index_and_dispatcher_answer_the_same_with_and_without_the_helpers(monke
         dispatcher._rotation = 0
         python_decisions.append(dispatcher.choose(q, loads))
     assert python_decisions == native_decisions
+
+
+def _random_dispatcher(rng: random.Random, index: PrefixIndex, ranks: int) -> CacheAwareDispatcher:
+    return CacheAwareDispatcher(
+        ranks,
+        index.block_size,
+        index=index,
+        instance="i",
+        load_weight=rng.choice([1.0, 0.5, 2, 0.0]),
+        prefill_load_scale=rng.choice([1.0, 0.25, 3]),
+        overlap_credit=rng.choice([1.0, 0.5, 1]),
+        hotspot_spread=rng.choice([None, 0.0, 10.0, 16384.0]),
+        hotspot_relative=rng.choice([None, 0.5, 1.0]),
+        w_npu=rng.choice([1.0, 0.8]),
+        w_cpu=rng.choice([1.0, 0.5, 0]),
+        w_disk=rng.choice([0.0, 0.25]),
+    )
+
+
+@needs_native
+def test_dispatch_score_decides_as_the_python_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C scorer against _decide's Python lines: costs, first-among-equals in the rotated
+    order, the guard, int and float loads, candidate subsets, every weight and threshold."""
+    rng = random.Random(23)
+    block = 4
+    index, prompts = _populated(rng, 8, block)
+    for tier in ("CPU", "DISK"):  # lower tiers too: hits (npu, cpu, disk) with every part set
+        for rank in range(0, 8, 3):
+            prompt = prompts[rng.randrange(len(prompts))]
+            hashes = [rng.getrandbits(63) for _ in range(len(prompt) // block)]
+            index.apply_batch("i", EventBatch(0.0, [BlockStored(hashes, None, prompt, block, medium=tier)], rank), rank)
+    cases = []
+    for _ in range(600):
+        dispatcher = _random_dispatcher(rng, index, 8)
+        prompt = prompts[rng.randrange(len(prompts))]
+        query = prompt[: rng.randrange(len(prompt) + 1)] + _ids(rng, rng.randrange(3 * block), 40)
+        size = rng.choice([8, 8, 6])
+        loads: list[Any] = [rng.choice([0, 5, 5.0, 100, rng.uniform(0, 200)]) for _ in range(size)]
+        candidates = rng.choice([None, list(range(8)), [7, 2, 5], [1], [3, 9, -1, 0]])
+        rotation = rng.randrange(8)
+        cases.append((dispatcher, query, loads, candidates, rotation))
+
+    def decide_all() -> list[Any]:
+        out = []
+        for dispatcher, query, loads, candidates, rotation in cases:
+            dispatcher._rotation = rotation
+            out.append(dispatcher.choose(query, loads, candidates=candidates))
+        return out
+
+    native = decide_all()
+    monkeypatch.setattr(hashing, "NATIVE", None)
+    python = decide_all()
+    assert native == python
+    assert {d.reason for d in native} >= {"cache_hit", "no_hit", "hotspot"}  # every branch ran
+    assert any(d.cpu_blocks or d.disk_blocks for d in native)
+
+
+@needs_native
+def test_dispatch_score_refuses_what_it_cannot_score() -> None:
+    args = ({0: (1, 0, 0)}, [1.0], [0], 0, 8, 4, (1.0, 1.0, 0.0), 1.0, 1.0, 1.0, None, None)
+    assert NATIVE.dispatch_score(*args) == (0, 0, 4, 4.0 + 1.0, 1.0)
+    with pytest.raises(ValueError):
+        NATIVE.dispatch_score(args[0], args[1], [], *args[3:])  # no candidates
+    with pytest.raises(IndexError):
+        NATIVE.dispatch_score(args[0], args[1], [3], *args[3:])  # a rank without a load
+    with pytest.raises(TypeError):
+        NATIVE.dispatch_score({0: [1, 0, 0]}, *args[1:])  # a hit that is no tuple
+    with pytest.raises(TypeError):
+        NATIVE.dispatch_score(args[0], ["x"], *args[2:])  # a load that is no number
 
 
 # --------------------------------------------------------------------------- msgpack ids

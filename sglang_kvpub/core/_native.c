@@ -10,6 +10,9 @@
 #include <Python.h>
 
 #include <dlfcn.h>
+#include <math.h>
+#include <stdlib.h>
+#include <sys/mman.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -137,6 +140,14 @@ static void source_close(token_source *src) {
     PyBuffer_Release(&src->view);
 }
 
+/* ids[i] & 0xFFFFFFFF, as hashing.tokens_u32; restrict pointers and locals only, so the
+ * compiler vectorises it (the struct's own u32 buffer would otherwise alias every store). */
+static void narrow_ids(uint32_t *restrict out, const uint64_t *restrict ids, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        out[i] = (uint32_t)ids[i];
+    }
+}
+
 /* The key of block `block` chained under `parent` (hashing.chain_next of its local hash). */
 static uint64_t source_key(token_source *src, Py_ssize_t block, uint64_t parent) {
     const size_t block_bytes = (size_t)src->block_size * 4;
@@ -145,9 +156,7 @@ static uint64_t source_key(token_source *src, Py_ssize_t block, uint64_t parent)
         data = (const char *)src->view.buf + (size_t)block * block_bytes;
     } else {
         const uint64_t *ids = (const uint64_t *)src->view.buf + (size_t)block * (size_t)src->block_size;
-        for (Py_ssize_t i = 0; i < src->block_size; i++) {
-            src->widened[i] = (uint32_t)ids[i]; /* id & 0xFFFFFFFF, as hashing.tokens_u32 */
-        }
+        narrow_ids(src->widened, ids, src->block_size);
         data = src->widened;
     }
     const uint64_t local = xxh3_seeded(data, block_bytes, src->seed);
@@ -213,53 +222,416 @@ static int holders_within(PyObject *value, uint64_t held, uint64_t *kept) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ KeyMasks
+ *
+ * KeyMasks(): a dict (key -> holders, PrefixIndex's layout) that keeps, beside itself, an
+ * open-addressing table of key -> the low 64 worker bits of its holders.  npu_walk reads
+ * that table: one probe of 16-byte slots per block, with no int object made for the key
+ * and none read for the value, where a dict lookup touches its index, its entry, the key
+ * object and the value object.  Every write path keeps both in step ([]=, del, pop,
+ * clear); the writes that would bypass it (update, setdefault, popitem, |=) raise. */
+
+typedef struct {
+    uint64_t key;
+    uint64_t held; /* 0: empty slot (a key whose low 64 bits hold no worker is not kept) */
+} key_slot;
+
+typedef struct {
+    PyDictObject dict;
+    key_slot *slots;
+    size_t capacity; /* a power of two, or 0 */
+    size_t used;
+    int shift; /* 64 - log2(capacity) */
+} KeyMasksObject;
+
+static PyTypeObject KeyMasksType;
+
+#define KEYMASKS_MIN_CAPACITY 64
+
+static inline size_t slot_home(uint64_t key, int shift) { return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> shift); }
+
+/* Blocks hashed ahead of their probe in npu_walk's table path. */
+#define WALK_AHEAD 8
+
+static inline void keymasks_prefetch(const KeyMasksObject *table, uint64_t key) {
+    if (table->capacity != 0) {
+        __builtin_prefetch(&table->slots[slot_home(key, table->shift)]);
+    }
+}
+
+static uint64_t keymasks_lookup(const KeyMasksObject *table, uint64_t key) {
+    if (table->capacity == 0) {
+        return 0;
+    }
+    const size_t mask = table->capacity - 1;
+    for (size_t i = slot_home(key, table->shift);; i = (i + 1) & mask) {
+        const key_slot *slot = &table->slots[i];
+        if (slot->held == 0) {
+            return 0;
+        }
+        if (slot->key == key) {
+            return slot->held;
+        }
+    }
+}
+
+/* Inserts or replaces; the table has room (see keymasks_reserve). */
+static void keymasks_put(KeyMasksObject *table, uint64_t key, uint64_t held) {
+    const size_t mask = table->capacity - 1;
+    for (size_t i = slot_home(key, table->shift);; i = (i + 1) & mask) {
+        key_slot *slot = &table->slots[i];
+        if (slot->held == 0) {
+            slot->key = key;
+            slot->held = held;
+            table->used++;
+            return;
+        }
+        if (slot->key == key) {
+            slot->held = held;
+            return;
+        }
+    }
+}
+
+/* Removes `key` if present, shifting the run after it back (no tombstones). */
+static void keymasks_remove(KeyMasksObject *table, uint64_t key) {
+    if (table->capacity == 0) {
+        return;
+    }
+    const size_t mask = table->capacity - 1;
+    size_t hole = slot_home(key, table->shift);
+    for (;; hole = (hole + 1) & mask) {
+        if (table->slots[hole].held == 0) {
+            return;
+        }
+        if (table->slots[hole].key == key) {
+            break;
+        }
+    }
+    for (size_t next = (hole + 1) & mask; table->slots[next].held != 0; next = (next + 1) & mask) {
+        const size_t home = slot_home(table->slots[next].key, table->shift);
+        /* The entry at `next` may fill the hole unless its home lies cyclically in (hole, next]. */
+        const int stays = hole <= next ? (home > hole && home <= next) : (home > hole || home <= next);
+        if (!stays) {
+            table->slots[hole] = table->slots[next];
+            hole = next;
+        }
+    }
+    table->slots[hole].held = 0;
+    table->slots[hole].key = 0;
+    table->used--;
+}
+
+#define HUGE_PAGE (2u << 20)
+
+/* Zeroed slots; a table of 2 MiB or more is aligned to and advised for huge pages, so a
+ * probe costs a cache miss and not a TLB miss as well. */
+static key_slot *table_alloc(size_t capacity) {
+    const size_t bytes = capacity * sizeof(key_slot);
+    void *memory = NULL;
+    if (posix_memalign(&memory, bytes >= HUGE_PAGE ? HUGE_PAGE : 64, bytes) != 0) {
+        return NULL;
+    }
+#ifdef MADV_HUGEPAGE
+    if (bytes >= HUGE_PAGE) {
+        (void)madvise(memory, bytes, MADV_HUGEPAGE); /* advice only: THP may be off */
+    }
+#endif
+    memset(memory, 0, bytes);
+    return memory;
+}
+
+/* Room for one more entry at a load of at most 0.7; -1 with MemoryError. */
+static int keymasks_reserve(KeyMasksObject *table) {
+    if ((table->used + 1) * 10 <= table->capacity * 7) {
+        return 0;
+    }
+    const size_t capacity = table->capacity ? table->capacity * 2 : KEYMASKS_MIN_CAPACITY;
+    key_slot *fresh = table_alloc(capacity);
+    if (fresh == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    key_slot *old = table->slots;
+    const size_t old_capacity = table->capacity;
+    int shift = 64;
+    for (size_t c = capacity; c > 1; c >>= 1) {
+        shift--;
+    }
+    table->slots = fresh;
+    table->capacity = capacity;
+    table->shift = shift;
+    table->used = 0;
+    for (size_t i = 0; i < old_capacity; i++) {
+        if (old[i].held != 0) {
+            keymasks_put(table, old[i].key, old[i].held);
+        }
+    }
+    free(old);
+    return 0;
+}
+
+static void keymasks_drop_table(KeyMasksObject *table) {
+    free(table->slots);
+    table->slots = NULL;
+    table->capacity = 0;
+    table->used = 0;
+    table->shift = 64;
+}
+
+/* The key as a u64; TypeError / OverflowError for anything else (the index's keys are u64). */
+static int keymasks_key(PyObject *key, uint64_t *out) {
+    if (!PyLong_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "KeyMasks keys are u64 ints, got %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    const unsigned long long value = PyLong_AsUnsignedLongLong(key);
+    if (value == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+static int keymasks_ass_sub(PyObject *self, PyObject *key, PyObject *value) {
+    KeyMasksObject *table = (KeyMasksObject *)self;
+    uint64_t raw;
+    if (keymasks_key(key, &raw) != 0) {
+        return -1;
+    }
+    if (value == NULL) {
+        if (PyDict_DelItem(self, key) != 0) {
+            return -1;
+        }
+        keymasks_remove(table, raw);
+        return 0;
+    }
+    if (!PyLong_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "KeyMasks values are int holders, got %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    uint64_t held;
+    if (holders_within(value, ~(uint64_t)0, &held) != 0 || (held != 0 && keymasks_reserve(table) != 0)) {
+        return -1;
+    }
+    if (PyDict_SetItem(self, key, value) != 0) {
+        return -1;
+    }
+    if (held != 0) {
+        keymasks_put(table, raw, held);
+    } else {
+        keymasks_remove(table, raw);
+    }
+    return 0;
+}
+
+static PyObject *keymasks_pop(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "pop expected 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *value = PyDict_GetItemWithError(self, args[0]); /* borrowed */
+    if (value == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        if (nargs == 2) {
+            return Py_NewRef(args[1]);
+        }
+        PyErr_SetObject(PyExc_KeyError, args[0]);
+        return NULL;
+    }
+    uint64_t raw;
+    if (keymasks_key(args[0], &raw) != 0) {
+        return NULL;
+    }
+    Py_INCREF(value);
+    if (PyDict_DelItem(self, args[0]) != 0) {
+        Py_DECREF(value);
+        return NULL;
+    }
+    keymasks_remove((KeyMasksObject *)self, raw);
+    return value;
+}
+
+static PyObject *keymasks_clear(PyObject *self, PyObject *unused) {
+    PyDict_Clear(self);
+    keymasks_drop_table((KeyMasksObject *)self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *keymasks_refuse(PyObject *self, PyObject *args, PyObject *kwargs) {
+    PyErr_SetString(PyExc_TypeError, "KeyMasks is written through [], del, pop and clear only");
+    return NULL;
+}
+
+static PyObject *keymasks_refuse_binary(PyObject *self, PyObject *other) { return keymasks_refuse(self, NULL, NULL); }
+
+static PyObject *keymasks_sizeof(PyObject *self, PyObject *unused) {
+    PyObject *base = PyObject_CallMethod((PyObject *)&PyDict_Type, "__sizeof__", "O", self);
+    if (base == NULL) {
+        return NULL;
+    }
+    const Py_ssize_t dict_bytes = PyLong_AsSsize_t(base);
+    Py_DECREF(base);
+    if (dict_bytes == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    const KeyMasksObject *table = (const KeyMasksObject *)self;
+    return PyLong_FromSsize_t(dict_bytes + (Py_ssize_t)(sizeof(KeyMasksObject) - sizeof(PyDictObject)) +
+                              (Py_ssize_t)(table->capacity * sizeof(key_slot)));
+}
+
+/* table_get(key) -> the low 64 worker bits the table holds for `key` (0: none); for tests. */
+static PyObject *keymasks_table_get(PyObject *self, PyObject *key) {
+    uint64_t raw;
+    if (keymasks_key(key, &raw) != 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(keymasks_lookup((KeyMasksObject *)self, raw));
+}
+
+static PyObject *keymasks_table_len(PyObject *self, PyObject *unused) {
+    return PyLong_FromSize_t(((KeyMasksObject *)self)->used);
+}
+
+static int keymasks_init(PyObject *self, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) != 0 || (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "KeyMasks() takes no arguments");
+        return -1;
+    }
+    return 0;
+}
+
+static void keymasks_dealloc(PyObject *self) {
+    keymasks_drop_table((KeyMasksObject *)self);
+    PyDict_Type.tp_dealloc(self);
+}
+
+static PyMethodDef keymasks_methods[] = {
+    {"pop", (PyCFunction)(void (*)(void))keymasks_pop, METH_FASTCALL, "D.pop(k[, d]): removes k from both tables."},
+    {"clear", keymasks_clear, METH_NOARGS, "Empties both tables."},
+    {"update", (PyCFunction)(void (*)(void))keymasks_refuse, METH_VARARGS | METH_KEYWORDS, "Refused (see KeyMasks)."},
+    {"setdefault", (PyCFunction)(void (*)(void))keymasks_refuse, METH_VARARGS | METH_KEYWORDS,
+     "Refused (see KeyMasks)."},
+    {"popitem", (PyCFunction)(void (*)(void))keymasks_refuse, METH_VARARGS | METH_KEYWORDS, "Refused (see KeyMasks)."},
+    {"__sizeof__", keymasks_sizeof, METH_NOARGS, "Size of the dict and of the table beside it."},
+    {"table_get", keymasks_table_get, METH_O, "table_get(key) -> the low 64 worker bits kept for key (0: none)."},
+    {"table_len", keymasks_table_len, METH_NOARGS, "Entries in the table (keys with a worker below 64)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMappingMethods keymasks_as_mapping = {
+    NULL, /* mp_length: inherited */
+    NULL, /* mp_subscript: inherited */
+    keymasks_ass_sub,
+};
+
+static PyNumberMethods keymasks_as_number = {
+    .nb_inplace_or = keymasks_refuse_binary,
+};
+
+static PyTypeObject KeyMasksType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "sglang_kvpub.core._native.KeyMasks",
+    .tp_basicsize = sizeof(KeyMasksObject),
+    .tp_dealloc = keymasks_dealloc,
+    .tp_as_number = &keymasks_as_number,
+    .tp_as_mapping = &keymasks_as_mapping,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "A dict of key -> holders with a u64 table beside it for npu_walk (see _native.c).",
+    .tp_methods = keymasks_methods,
+    .tp_init = keymasks_init,
+};
+
 /* npu_walk(tokens, block_size, seed, blocks, masks, held) -> (ends, depth)
  *
  * PrefixIndex's NPU walk with the hashing fused in, for workers `held` (an int below
- * 2^64): block by block, the chained key is computed and looked up in `masks`; the walk
+ * 2^64): block by block, the chained key is computed and looked up in `masks` (in its
+ * table when it is a KeyMasks); the walk
  * stops at the first block none of the remaining workers holds, so a cold prompt hashes
  * one block.  `ends` lists (position, workers holding exactly `position` blocks) in
  * ascending position; `depth` is the deepest position (0: no worker holds block 0). */
-static PyObject *native_npu_walk(PyObject *self, PyObject *args) {
-    PyObject *source, *masks, *held_object;
-    Py_ssize_t block_size, blocks;
-    unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OnKnO!O!", &source, &block_size, &seed, &blocks, &PyDict_Type, &masks, &PyLong_Type,
-                          &held_object)) {
-        return NULL;
+static int insert_page(PyObject *target, unsigned char byte, Py_ssize_t page, PyObject *hit, PyObject *rank_of,
+                       int ranked_only);
+
+/* Where a walk's ends go: a list of (position, mask) when `out` is NULL, else straight
+ * into out[rank_of[w]] = (position, 0, 0) (PrefixIndex._emit_npu). */
+typedef struct {
+    PyObject *ends;
+    PyObject *out;
+    PyObject *rank_of;
+} walk_sink;
+
+static int sink_end(const walk_sink *sink, Py_ssize_t position, uint64_t mask) {
+    if (sink->out == NULL) {
+        PyObject *end = Py_BuildValue("(nK)", position, (unsigned long long)mask);
+        const int failed = end == NULL || PyList_Append(sink->ends, end) != 0;
+        Py_XDECREF(end);
+        return failed ? -1 : 0;
     }
+    PyObject *hit = Py_BuildValue("(nii)", position, 0, 0); /* one tuple shared by the end's ranks */
+    if (hit == NULL) {
+        return -1;
+    }
+    int failed = 0;
+    for (Py_ssize_t page = 0; !failed && page < 8; page++) {
+        const unsigned char byte = (unsigned char)(mask >> (8 * page));
+        failed = byte != 0 && insert_page(sink->out, byte, page, hit, sink->rank_of, 1) != 0;
+    }
+    Py_DECREF(hit);
+    return failed ? -1 : 0;
+}
+
+/* The walk of npu_walk / npu_walk_ranks; the depth, or -1 with an exception set. */
+static Py_ssize_t walk_core(PyObject *source, Py_ssize_t block_size, uint64_t seed, Py_ssize_t blocks, PyObject *masks,
+                            PyObject *held_object, const walk_sink *sink) {
     const unsigned long long held_arg = PyLong_AsUnsignedLongLong(held_object); /* OverflowError past 64 bits */
     if (held_arg == (unsigned long long)-1 && PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     token_source src;
     if (source_open(&src, source, block_size, seed, blocks) != 0) {
-        return NULL;
+        return -1;
     }
-    PyObject *ends = PyList_New(0);
+    const KeyMasksObject *table = Py_IS_TYPE(masks, &KeyMasksType) ? (const KeyMasksObject *)masks : NULL;
     uint64_t held = held_arg;
     uint64_t key = seed;
     Py_ssize_t position = 0;
-    int failed = ends == NULL;
+    int failed = 0;
+    uint64_t ahead[WALK_AHEAD]; /* table path: keys of blocks [ahead_from, ahead_from + ahead_count) */
+    Py_ssize_t ahead_from = 0, ahead_count = 0;
     for (Py_ssize_t block = 0; !failed && held != 0 && block < blocks; block++) {
-        key = source_key(&src, block, key);
-        PyObject *lookup = PyLong_FromUnsignedLongLong(key);
-        if (lookup == NULL) {
-            failed = 1;
-            break;
-        }
-        PyObject *value = PyDict_GetItemWithError(masks, lookup); /* borrowed */
-        Py_DECREF(lookup);
         uint64_t kept = 0;
-        if (value == NULL ? PyErr_Occurred() != NULL : holders_within(value, held, &kept) != 0) {
-            failed = 1;
-            break;
+        if (table != NULL) {
+            if (block == ahead_from + ahead_count) {
+                /* Hash a batch, prefetching each key's slot as it is known: the probes' cache
+                 * misses overlap the hashing.  Block 0 alone, so a cold prompt hashes one. */
+                ahead_from = block;
+                ahead_count = block == 0 ? 1 : (blocks - block < WALK_AHEAD ? blocks - block : WALK_AHEAD);
+                for (Py_ssize_t j = 0; j < ahead_count; j++) {
+                    key = source_key(&src, block + j, key);
+                    ahead[j] = key;
+                    keymasks_prefetch(table, key);
+                }
+            }
+            kept = held & keymasks_lookup(table, ahead[block - ahead_from]);
+        } else {
+            key = source_key(&src, block, key);
+            PyObject *lookup = PyLong_FromUnsignedLongLong(key);
+            if (lookup == NULL) {
+                failed = 1;
+                break;
+            }
+            PyObject *value = PyDict_GetItemWithError(masks, lookup); /* borrowed */
+            Py_DECREF(lookup);
+            if (value == NULL ? PyErr_Occurred() != NULL : holders_within(value, held, &kept) != 0) {
+                failed = 1;
+                break;
+            }
         }
         if (kept != held) {
             if (position > 0) {
-                PyObject *end = Py_BuildValue("(nK)", position, (unsigned long long)(held ^ kept));
-                failed = end == NULL || PyList_Append(ends, end) != 0;
-                Py_XDECREF(end);
+                failed = sink_end(sink, position, held ^ kept) != 0;
             }
             held = kept;
         }
@@ -268,17 +640,47 @@ static PyObject *native_npu_walk(PyObject *self, PyObject *args) {
         }
     }
     if (!failed && held != 0 && position > 0) {
-        PyObject *end = Py_BuildValue("(nK)", position, (unsigned long long)held);
-        failed = end == NULL || PyList_Append(ends, end) != 0;
-        Py_XDECREF(end);
+        failed = sink_end(sink, position, held) != 0;
     }
     source_close(&src);
-    if (failed) {
-        Py_XDECREF(ends);
+    return failed ? -1 : position;
+}
+
+static PyObject *native_npu_walk(PyObject *self, PyObject *args) {
+    PyObject *source, *masks, *held_object;
+    Py_ssize_t block_size, blocks;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OnKnO!O!", &source, &block_size, &seed, &blocks, &PyDict_Type, &masks, &PyLong_Type,
+                          &held_object)) {
         return NULL;
     }
-    PyObject *result = Py_BuildValue("(Nn)", ends, position);
-    return result;
+    walk_sink sink = {PyList_New(0), NULL, NULL};
+    if (sink.ends == NULL) {
+        return NULL;
+    }
+    const Py_ssize_t depth = walk_core(source, block_size, seed, blocks, masks, held_object, &sink);
+    if (depth < 0) {
+        Py_DECREF(sink.ends);
+        return NULL;
+    }
+    return Py_BuildValue("(Nn)", sink.ends, depth);
+}
+
+/* npu_walk_ranks(tokens, block_size, seed, blocks, masks, held, out, rank_of) -> depth
+ *
+ * npu_walk with its ends emitted as PrefixIndex._emit_npu does: out[rank_of[w]] =
+ * (position, 0, 0) for every worker w leaving at `position` that has a rank. */
+static PyObject *native_npu_walk_ranks(PyObject *self, PyObject *args) {
+    PyObject *source, *masks, *held_object;
+    Py_ssize_t block_size, blocks;
+    unsigned long long seed;
+    walk_sink sink = {NULL, NULL, NULL};
+    if (!PyArg_ParseTuple(args, "OnKnO!O!O!O!", &source, &block_size, &seed, &blocks, &PyDict_Type, &masks,
+                          &PyLong_Type, &held_object, &PyDict_Type, &sink.out, &PyList_Type, &sink.rank_of)) {
+        return NULL;
+    }
+    const Py_ssize_t depth = walk_core(source, block_size, seed, blocks, masks, held_object, &sink);
+    return depth < 0 ? NULL : PyLong_FromSsize_t(depth);
 }
 
 /* u32_from_ints(ids) -> bytes
@@ -709,12 +1111,202 @@ static PyObject *native_take_token_ids(PyObject *self, PyObject *arg) {
     return Py_BuildValue("(NN)", ids, rest);
 }
 
+/* ------------------------------------------------------------------ dispatch_score
+ *
+ * CacheAwareDispatcher._decide's arithmetic after the walk (sglang_kvpub/core/dispatch.py
+ * is the reference): per candidate rank, in the rotated order ranks[start:] + ranks[:start],
+ *   matched = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
+ *   cost    = prefill_scale * max(0, isl - overlap_credit * matched) + load_weight * load
+ * the first lowest cost wins, then the hot-spot guard may send it to the least loaded. */
+
+enum { SCORE_CACHE_HIT = 0, SCORE_NO_HIT = 1, SCORE_HOTSPOT = 2 };
+
+typedef struct {
+    Py_ssize_t block_size;
+    Py_ssize_t isl;
+    double w_npu, w_cpu, w_disk;
+    double prefill_scale, overlap_credit;
+} score_params;
+
+/* The matched tokens of a hit tuple (npu, cpu, disk); -1 with an exception set. */
+static long long hit_matched(const score_params *p, PyObject *hit) {
+    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 3) {
+        PyErr_SetString(PyExc_TypeError, "a hit is a tuple (npu, cpu, disk)");
+        return -1;
+    }
+    double blocks[3];
+    for (int i = 0; i < 3; i++) {
+        blocks[i] = PyFloat_AsDouble(PyTuple_GET_ITEM(hit, i));
+        if (blocks[i] == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    const double weighted = blocks[0] * p->w_npu + blocks[1] * p->w_cpu + blocks[2] * p->w_disk;
+    const double tokens = nearbyint(weighted * (double)p->block_size); /* round half to even, as round() */
+    if (isnan(tokens)) {
+        PyErr_SetString(PyExc_ValueError, "cannot convert float NaN to integer");
+        return -1;
+    }
+    if (tokens >= (double)p->isl) {
+        return (long long)p->isl;
+    }
+    if (tokens < -9.2e18) { /* -inf or beyond a long long: round() would not help the cost either */
+        PyErr_SetString(PyExc_OverflowError, "matched tokens out of range (check the tier weights)");
+        return -1;
+    }
+    return (long long)tokens;
+}
+
+static double prefill_cost(const score_params *p, long long matched) {
+    const double rest = (double)p->isl - p->overlap_credit * (double)matched;
+    return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
+}
+
+/* The float of an optional number (None: disabled); -1 with an exception set. */
+static int optional_double(PyObject *value, int *present, double *out) {
+    *present = value != Py_None;
+    if (*present) {
+        *out = PyFloat_AsDouble(value);
+        if (*out == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* dispatch_score(hits, loads, ranks, start, isl, block_size, weights, prefill_scale,
+ *                overlap_credit, load_weight, hotspot_spread, hotspot_relative)
+ *   -> (best_rank, reason, matched_tokens, cost, load)
+ * reason 0 cache_hit, 1 no_hit, 2 hotspot; `ranks` a non-empty list of ranks indexing
+ * `loads`; `hits` rank -> (npu, cpu, disk). */
+static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
+    PyObject *hits, *loads, *ranks, *spread_obj, *relative_obj;
+    Py_ssize_t start;
+    score_params p;
+    double load_weight;
+    if (!PyArg_ParseTuple(args, "O!OO!nnn(ddd)dddOO", &PyDict_Type, &hits, &loads, &PyList_Type, &ranks, &start,
+                          &p.isl, &p.block_size, &p.w_npu, &p.w_cpu, &p.w_disk, &p.prefill_scale, &p.overlap_credit,
+                          &load_weight, &spread_obj, &relative_obj)) {
+        return NULL;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(ranks);
+    if (n == 0 || start < 0 || start >= n) {
+        PyErr_SetString(PyExc_ValueError, "dispatch_score needs ranks and a start within them");
+        return NULL;
+    }
+    int has_spread, has_relative;
+    double hotspot_spread = 0.0, hotspot_relative = 0.0;
+    if (optional_double(spread_obj, &has_spread, &hotspot_spread) != 0 ||
+        optional_double(relative_obj, &has_relative, &hotspot_relative) != 0) {
+        return NULL;
+    }
+    const double miss = prefill_cost(&p, 0);
+    double best_cost = 0.0, least_load = 0.0, load_total = 0.0;
+    Py_ssize_t best_at = 0, least_at = 0;
+    PyObject *last_hit = NULL;
+    double last_prefill = miss;
+    double load_of_best = 0.0, first_load = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *rank = PyList_GET_ITEM(ranks, (start + i) % n);
+        const Py_ssize_t index = PyNumber_AsSsize_t(rank, PyExc_IndexError);
+        if (index == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+        PyObject *item = PySequence_GetItem(loads, index);
+        if (item == NULL) {
+            return NULL;
+        }
+        const double load = PyFloat_AsDouble(item);
+        Py_DECREF(item);
+        if (load == -1.0 && PyErr_Occurred()) {
+            return NULL;
+        }
+        PyObject *hit = PyDict_GetItemWithError(hits, rank); /* borrowed */
+        double prefill = miss;
+        if (hit != NULL) {
+            if (hit != last_hit) { /* NPU-only ranks ending at one block share a tuple */
+                const long long matched = hit_matched(&p, hit);
+                if (matched == -1 && PyErr_Occurred()) {
+                    return NULL;
+                }
+                last_hit = hit;
+                last_prefill = prefill_cost(&p, matched);
+            }
+            prefill = last_prefill;
+        } else if (PyErr_Occurred()) {
+            return NULL;
+        }
+        const double cost = prefill + load_weight * load;
+        if (i == 0) {
+            first_load = load;
+        }
+        if (i == 0 || cost < best_cost) { /* the first among equals, as min() then index() */
+            best_cost = cost;
+            best_at = i;
+            load_of_best = load;
+        }
+        if (i == 0 || load < least_load) {
+            least_load = load;
+            least_at = i;
+        }
+        load_total += load;
+    }
+    if (!(best_cost < INFINITY)) {
+        best_at = 0;
+        load_of_best = first_load;
+    }
+    PyObject *best = PyList_GET_ITEM(ranks, (start + best_at) % n);
+    PyObject *best_hit = PyDict_GetItemWithError(hits, best);
+    if (best_hit == NULL && PyErr_Occurred()) {
+        return NULL;
+    }
+    long long matched = 0;
+    if (best_hit != NULL && best_cost < INFINITY) {
+        matched = hit_matched(&p, best_hit);
+        if (matched == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    int reason = matched > 0 ? SCORE_CACHE_HIT : SCORE_NO_HIT;
+    const double spread = load_of_best - least_load;
+    const double mean = load_total / (double)n;
+    int hotspot = 0;
+    if (!(spread <= 0.0) && (has_spread || has_relative)) {
+        double limit = has_spread ? hotspot_spread : 0.0;
+        if (has_relative && hotspot_relative * mean > limit) {
+            limit = hotspot_relative * mean;
+        }
+        hotspot = spread > limit;
+    }
+    if (hotspot) {
+        best = PyList_GET_ITEM(ranks, (start + least_at) % n);
+        reason = SCORE_HOTSPOT;
+        best_hit = PyDict_GetItemWithError(hits, best);
+        if (best_hit == NULL && PyErr_Occurred()) {
+            return NULL;
+        }
+        matched = 0;
+        if (best_hit != NULL) {
+            matched = hit_matched(&p, best_hit);
+            if (matched == -1 && PyErr_Occurred()) {
+                return NULL;
+            }
+        }
+        load_of_best = least_load;
+        best_cost = prefill_cost(&p, matched) + load_weight * least_load;
+    }
+    return Py_BuildValue("(OiLdd)", best, reason, matched, best_cost, load_of_best);
+}
+
 static PyMethodDef native_methods[] = {
     {"bind", native_bind, METH_O, "Resolve XXH3_64bits_withSeed from the shared object at the given path."},
     {"chain_keys", native_chain_keys, METH_VARARGS,
      "chain_keys(tokens, block_size, seed, parent, start, end) -> chained block keys (list of int)."},
     {"npu_walk", native_npu_walk, METH_VARARGS,
      "npu_walk(tokens, block_size, seed, blocks, masks, held) -> (ends, depth): the NPU walk, hashing fused in."},
+    {"npu_walk_ranks", native_npu_walk_ranks, METH_VARARGS,
+     "npu_walk_ranks(tokens, block_size, seed, blocks, masks, held, out, rank_of) -> depth: npu_walk, ends "
+     "emitted as out[rank] = (position, 0, 0)."},
     {"emit_hits", native_emit_hits, METH_VARARGS,
      "emit_hits(out, mask_bytes, hit, rank_of, pages): out[pages[i]][rank_of[8*i+b]] = hit per set bit."},
     {"emit_ranks", native_emit_ranks, METH_VARARGS,
@@ -725,6 +1317,9 @@ static PyMethodDef native_methods[] = {
      "u32_from_msgpack(raw) -> little-endian u32 bytes of a msgpack array of integers in [0, 2^32)."},
     {"take_token_ids", native_take_token_ids, METH_O,
      "take_token_ids(body) -> (u32 bytes | None, body without token_ids): a msgpack /query body split."},
+    {"dispatch_score", native_dispatch_score, METH_VARARGS,
+     "dispatch_score(hits, loads, ranks, start, isl, block_size, weights, prefill_scale, overlap_credit, "
+     "load_weight, hotspot_spread, hotspot_relative) -> (rank, reason, matched, cost, load)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -733,4 +1328,22 @@ static struct PyModuleDef native_module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    KeyMasksType.tp_base = &PyDict_Type;
+    KeyMasksType.tp_traverse = PyDict_Type.tp_traverse; /* the table holds no objects */
+    KeyMasksType.tp_clear = PyDict_Type.tp_clear;
+    if (PyType_Ready(&KeyMasksType) != 0) {
+        return NULL;
+    }
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL) {
+        return NULL;
+    }
+    Py_INCREF(&KeyMasksType);
+    if (PyModule_AddObject(module, "KeyMasks", (PyObject *)&KeyMasksType) != 0) {
+        Py_DECREF(&KeyMasksType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

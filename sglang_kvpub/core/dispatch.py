@@ -34,11 +34,11 @@ import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
+from sglang_kvpub.core import hashing
 from sglang_kvpub.core.hashing import BASE_SEED, lora_seed
 from sglang_kvpub.core.index import PrefixIndex
 from sglang_kvpub.wire import AllBlocksCleared, BlockStored, Event, EventBatch
@@ -82,15 +82,17 @@ REASONS = (
 
 LOCAL_INSTANCE = "local"
 _NO_HIT = (0, 0, 0)
+_NATIVE_REASONS = (REASON_CACHE_HIT, REASON_NO_HIT, REASON_HOTSPOT)  # dispatch_score's reason codes
 
 
 # --------------------------------------------------------------------------- decisions
 
 
-@dataclass(frozen=True)
-class DispatchDecision:
+class DispatchDecision(NamedTuple):
     """One dispatch: ``rank`` None means "SGLang's own policy"; ``matched_tokens`` and the
-    tier blocks are the chosen rank's hit; ``cost``/``load`` its figures (None if unranked)."""
+    tier blocks are the chosen rank's hit; ``cost``/``load`` its figures (None if unranked).
+    A named tuple, not a frozen dataclass: made once per request on the controller's hot
+    path, where a dataclass's per-field ``object.__setattr__`` costs a microsecond."""
 
     rank: int | None
     reason: str
@@ -181,7 +183,11 @@ class CacheAwareDispatcher:
         self.hotspot_spread = hotspot_spread
         self.hotspot_relative = hotspot_relative
         self.weights = (w_npu, w_cpu, w_disk)
-        self.index = index if index is not None else PrefixIndex(block_size, capacity_blocks=capacity_blocks)
+        self.index = (
+            index
+            if index is not None
+            else PrefixIndex(block_size, capacity_blocks=capacity_blocks, npu_walk_table=True)
+        )
         self.instance = instance
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
@@ -274,6 +280,8 @@ class CacheAwareDispatcher:
         hits = self._hits(token_ids, lora_name)
         # Rotate the scan start so equal costs spread over ranks instead of piling on the first.
         self._rotation = start = (self._rotation + 1) % len(ranks)
+        if hashing.NATIVE is not None:
+            return self._decide_native(hits, loads, ranks, start, isl)
         order = ranks[start:] + ranks[:start]
         weight = self.load_weight
         miss = self._prefill(0, isl)  # every rank without a hit
@@ -298,6 +306,28 @@ class CacheAwareDispatcher:
             best_cost = self._prefill(best_matched, isl) + weight * loads[best]
         npu, cpu, disk = hits.get(best, _NO_HIT)
         return DispatchDecision(best, reason, isl, best_matched, npu, cpu, disk, float(loads[best]), float(best_cost))
+
+    def _decide_native(
+        self, hits: dict[int, tuple[int, int, int]], loads: Sequence[float], ranks: list[int], start: int, isl: int
+    ) -> DispatchDecision:
+        """The rest of :meth:`_decide` in one C call (``dispatch_score``, docs/native.md): the
+        same costs, ties, guard and figures as the Python lines it replaces."""
+        best, reason, matched, cost, load = hashing.NATIVE.dispatch_score(
+            hits,
+            loads,
+            ranks,
+            start,
+            isl,
+            self.block_size,
+            self.weights,
+            self.prefill_load_scale,
+            self.overlap_credit,
+            self.load_weight,
+            self.hotspot_spread,
+            self.hotspot_relative,
+        )
+        npu, cpu, disk = hits.get(best, _NO_HIT)
+        return DispatchDecision(best, _NATIVE_REASONS[reason], isl, matched, npu, cpu, disk, load, cost)
 
     def _prefill(self, matched: int, isl: int) -> float:
         """The prefill part of a rank's cost when it holds ``matched`` tokens."""

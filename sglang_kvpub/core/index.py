@@ -221,7 +221,18 @@ def _bits(mask: int) -> Iterator[int]:
 class PrefixIndex:
     """Exact prefix index per (instance, dp_rank, tier); see the module docstring."""
 
-    def __init__(self, block_size: int, capacity_blocks: int | None = None, default_medium: str = MEDIUM_GPU) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        capacity_blocks: int | None = None,
+        default_medium: str = MEDIUM_GPU,
+        *,
+        npu_walk_table: bool = False,
+    ) -> None:
+        """``npu_walk_table``: keep the NPU tier's holders also in the C helpers' flat table
+        (``KeyMasks``, docs/native.md) that the fused token walk reads with one probe per
+        block - for an index queried by token ids (the in-instance dispatcher's); it costs
+        ~16-32 bytes per NPU key and a little ingest.  Ignored without the C helpers."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if capacity_blocks is not None and capacity_blocks <= 0:
@@ -232,6 +243,9 @@ class PrefixIndex:
         self._default_tier = _TIER_INDEX[tier_of_medium(default_medium)]
         self._lock = threading.Lock()
         self._masks: list[dict[int, int]] = [{}, {}, {}]  # per tier: key -> holders (see _mask)
+        self.npu_walk_table = npu_walk_table and hashing.NATIVE is not None
+        if self.npu_walk_table:
+            self._masks[0] = hashing.NATIVE.KeyMasks()  # a dict, mirrored for npu_walk
         self._workers: dict[tuple[str, int], _Worker] = {}
         self._by_wid: list[_Worker | None] = []
         self._rank_of: list[int] = []  # wid -> dp_rank (hot emission path)
@@ -497,9 +511,9 @@ class PrefixIndex:
             return out
         native = hashing.NATIVE
         if native is not None and held < _NATIVE_HELD_LIMIT:
-            ends, position = native.npu_walk(tokens, self.block_size, seed, blocks, self._masks[0], held)
-            for depth, mask in ends:
-                self._emit_npu(out, mask, depth)
+            position = native.npu_walk_ranks(
+                tokens, self.block_size, seed, blocks, self._masks[0], held, out, self._rank_of
+            )
         else:
             position = self._walk_u32(out, held, _u32_view(tokens, blocks * self.block_size), blocks, seed)
         if position and self._refresh():
