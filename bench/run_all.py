@@ -2,9 +2,9 @@
 
     python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
-Each bench (wire, fanin, residency, index, service, dispatch, routing) runs as a subprocess of this
-interpreter from the repository root, with a timeout; a bench script that does not exist yet
-is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
+Each bench (wire, fanin, residency, index, service, dispatch, server, e2e, routing) runs as a
+subprocess of this interpreter from the repository root, with a timeout; a bench script that
+does not exist yet is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
 Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
 the stderr tail of a failure) and ``bench/results/latest.md`` (one markdown table per bench
 with every figure, under the command that produced it) - the table the README shows.
@@ -67,6 +67,8 @@ BENCHES: tuple[Bench, ...] = (
     Bench("dispatch", "bench/dispatch.py", quick=(("--decisions", "300"), ("--prompts", "20"))),
     # Two real SGLang servers (plain, plugin) per tree core; minutes, not seconds.
     Bench("server", "bench/server.py", quick=(("--quick", None),), min_timeout_s=3600.0),
+    # Motor's real coordinator in front of a real SGLang server with the plugin; minutes too.
+    Bench("e2e", "bench/e2e.py", quick=(("--prompts", "1"), ("--repeats", "1")), min_timeout_s=1800.0),
     Bench(
         "routing",
         "bench/routing.py",

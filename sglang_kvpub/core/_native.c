@@ -543,14 +543,6 @@ static PyTypeObject KeyMasksType = {
     .tp_init = keymasks_init,
 };
 
-/* npu_walk(tokens, block_size, seed, blocks, masks, held) -> (ends, depth)
- *
- * PrefixIndex's NPU walk with the hashing fused in, for workers `held` (an int below
- * 2^64): block by block, the chained key is computed and looked up in `masks` (in its
- * table when it is a KeyMasks); the walk
- * stops at the first block none of the remaining workers holds, so a cold prompt hashes
- * one block.  `ends` lists (position, workers holding exactly `position` blocks) in
- * ascending position; `depth` is the deepest position (0: no worker holds block 0). */
 static int insert_page(PyObject *target, unsigned char byte, Py_ssize_t page, PyObject *hit, PyObject *rank_of,
                        int ranked_only);
 
@@ -646,6 +638,14 @@ static Py_ssize_t walk_core(PyObject *source, Py_ssize_t block_size, uint64_t se
     return failed ? -1 : position;
 }
 
+/* npu_walk(tokens, block_size, seed, blocks, masks, held) -> (ends, depth)
+ *
+ * PrefixIndex's NPU walk with the hashing fused in, for workers `held` (an int below
+ * 2^64): block by block, the chained key is computed and looked up in `masks` (in its
+ * table when it is a KeyMasks); the walk stops at the first block none of the remaining
+ * workers holds, so a cold prompt hashes one block.  `ends` lists (position, workers
+ * holding exactly `position` blocks) in ascending position; `depth` is the deepest
+ * position (0: no worker holds block 0). */
 static PyObject *native_npu_walk(PyObject *self, PyObject *args) {
     PyObject *source, *masks, *held_object;
     Py_ssize_t block_size, blocks;
@@ -1249,7 +1249,7 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
             least_load = load;
             least_at = i;
         }
-        load_total += load;
+        load_total += load; /* left to right, as 3.11's sum(); 3.12's compensated sum may differ in the last bit */
     }
     if (!(best_cost < INFINITY)) {
         best_at = 0;
