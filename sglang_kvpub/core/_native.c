@@ -1157,6 +1157,17 @@ static long long hit_matched(const score_params *p, PyObject *hit) {
     return (long long)tokens;
 }
 
+/* *matched = the matched tokens of `rank`'s hit, 0 without one; -1 with an exception set. */
+static int rank_matched(const score_params *p, PyObject *hits, PyObject *rank, long long *matched) {
+    PyObject *hit = PyDict_GetItemWithError(hits, rank); /* borrowed */
+    *matched = 0;
+    if (hit == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    *matched = hit_matched(p, hit);
+    return *matched == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 static double prefill_cost(const score_params *p, long long matched) {
     const double rest = (double)p->isl - p->overlap_credit * (double)matched;
     return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
@@ -1256,16 +1267,9 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
         load_of_best = first_load;
     }
     PyObject *best = PyList_GET_ITEM(ranks, (start + best_at) % n);
-    PyObject *best_hit = PyDict_GetItemWithError(hits, best);
-    if (best_hit == NULL && PyErr_Occurred()) {
-        return NULL;
-    }
     long long matched = 0;
-    if (best_hit != NULL && best_cost < INFINITY) {
-        matched = hit_matched(&p, best_hit);
-        if (matched == -1 && PyErr_Occurred()) {
-            return NULL;
-        }
+    if (best_cost < INFINITY && rank_matched(&p, hits, best, &matched) != 0) {
+        return NULL;
     }
     int reason = matched > 0 ? SCORE_CACHE_HIT : SCORE_NO_HIT;
     const double spread = load_of_best - least_load;
@@ -1281,16 +1285,8 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
     if (hotspot) {
         best = PyList_GET_ITEM(ranks, (start + least_at) % n);
         reason = SCORE_HOTSPOT;
-        best_hit = PyDict_GetItemWithError(hits, best);
-        if (best_hit == NULL && PyErr_Occurred()) {
+        if (rank_matched(&p, hits, best, &matched) != 0) {
             return NULL;
-        }
-        matched = 0;
-        if (best_hit != NULL) {
-            matched = hit_matched(&p, best_hit);
-            if (matched == -1 && PyErr_Occurred()) {
-                return NULL;
-            }
         }
         load_of_best = least_load;
         best_cost = prefill_cost(&p, matched) + load_weight * least_load;

@@ -52,9 +52,12 @@ _INT_FORMATS = frozenset("bBhHiIlLqQnN")  # native-order integer buffer formats 
 _PACKERS: dict[int, struct.Struct] = {}  # token count -> "<{n}I" packer (format parsing is costly)
 _PACKERS_MAX = 512
 _NUMPY: list[Any] = []  # [numpy module or None], once looked up
-_NATIVE_FUNCTIONS = (
+_NATIVE_NAMES = (
     "chain_keys",
     "npu_walk",
+    "npu_walk_ranks",
+    "dispatch_score",
+    "KeyMasks",
     "emit_hits",
     "emit_ranks",
     "u32_from_ints",
@@ -76,7 +79,7 @@ def _bind_native() -> Any:
         from sglang_kvpub.core import _native  # type: ignore[attr-defined]
 
         _native.bind(_xxhash.__file__)
-        for name in _NATIVE_FUNCTIONS:
+        for name in _NATIVE_NAMES:
             getattr(_native, name)
     except (ImportError, AttributeError, OSError) as exc:
         log.debug("native hashing helpers unavailable (%s): the Python loops hash", exc)
