@@ -64,32 +64,11 @@ import zmq
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.tools.ports import free_port_block
 from sglang_kvpub.transport.channel import private_dir, resolve_channel_endpoint
 from sglang_kvpub.transport.zmq_io import NOBLOCK, recv_frame
 
 PAGE = 128
-
-
-def free_port_block(count: int) -> int:
-    import socket
-
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = int(probe.getsockname()[1])
-        socks = []
-        try:
-            for offset in range(count):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + offset))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free ports")
 
 
 def make_batch(rank: int, phase: int, index: int) -> wire.EventBatch:

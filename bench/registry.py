@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,17 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, percentile
 
 from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.tools.ports import free_port
 from sglang_kvpub.tools.simulator import SimulatedInstance
 
 BS = 16
 MODEL = "bench-model"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _http(url: str, body: Any = None, timeout: float = 3.0) -> tuple[int, Any]:
@@ -80,7 +73,7 @@ def _until(predicate: Any, limit_s: float = 30.0) -> float:
 
 class Adapter:
     def __init__(self, registry: str, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "motor_adapter.cli", "--log-level", "WARNING", "serve"]
         self.cmd += ["--port", str(self.port), "--registry", registry]
@@ -155,8 +148,8 @@ def bench_register(args: argparse.Namespace, workdir: Path, etcd: str | None) ->
 
 def _engine() -> SimulatedInstance:
     config = PluginConfig(
-        endpoint=f"tcp://127.0.0.1:{_free_port()}",
-        replay_endpoint=f"tcp://127.0.0.1:{_free_port()}",
+        endpoint=f"tcp://127.0.0.1:{free_port()}",
+        replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
         heartbeat_s=0.2,
         bind=True,
     )
@@ -239,7 +232,7 @@ def _start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str] | None:
     binary = _etcd_binary()
     if binary is None:
         return None
-    client, peer = f"http://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    client, peer = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
     cmd = [binary, "--name=bench", f"--data-dir={workdir}/etcd", f"--listen-client-urls={client}"]
     cmd += [f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}"]
     cmd += [f"--initial-cluster=bench={peer}", "--log-level=warn"]

@@ -31,7 +31,6 @@ import asyncio
 import multiprocessing
 import os
 import random
-import socket
 import sys
 import time
 from pathlib import Path
@@ -41,15 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, percentile, with_targets  # noqa: E402
+from sglang_kvpub.tools.ports import free_port  # noqa: E402
 
 BS = 128
 MODEL = "bench-model"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -163,7 +157,7 @@ def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, lis
     )
     prompts = [_prompt(rng, args.tokens) for _ in range(args.prompts)]
     for i in range(args.instances):
-        url = f"tcp://127.0.0.1:{_free_port()}"
+        url = f"tcp://127.0.0.1:{free_port()}"
         reg = parse_registration(
             {
                 "instance_id": f"vllm-prefill-{i}",
@@ -209,7 +203,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
     app.router.add_get("/_cpu", cpu)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    port = _free_port()
+    port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     body = msgpack.packb({"model": MODEL, "block_size": BS, "token_ids": prompts[0], "tenant_id": "default"})
     template = {"model": MODEL, "block_size": BS, "token_ids": [*prompts[0][:-1], _MARK], "tenant_id": "default"}

@@ -1,8 +1,8 @@
 """A real ``python -m sglang.launch_server`` on this machine, for the server test tier and benches.
 
-Reusable by tests (``tests/server/``) and by ``bench/`` alike: standard library, pyzmq and
-``tokenizers`` only; it imports nothing from ``tests/`` (a development helper, not product:
-it launches dummy-weight models).  What it does:
+Reusable by tests (``tests/server/``) and by ``bench/`` alike: standard library, pyzmq,
+``tokenizers`` and :mod:`sglang_kvpub.tools.ports` only; it imports nothing from ``tests/``
+(a development helper, not product: it launches dummy-weight models).  What it does:
 
 - :func:`make_model_dir`: a tiny dummy-weight Llama (``config.json``) and an offline
   byte-level BPE tokenizer trained with ``tokenizers`` on a built-in text; no hub access.
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +34,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from sglang_kvpub.tools.ports import free_port_block
 
 __all__ = [
     "REPO",
@@ -54,9 +56,6 @@ REPO = Path(__file__).resolve().parents[1]
 SERVER_MODULES = ("sglang", "torch", "triton", "jsonschema", "xgrammar", "soundfile", "multipart", "tokenizers")
 TOPIC = "kv"
 VOCAB = 512
-_PORTS = (33000, 60000)  # random starting points; every port is test-bound first
-_rng = random.Random()
-_handed_out: set[int] = set()
 
 
 class ServerError(RuntimeError):
@@ -67,26 +66,6 @@ def cpu_shim_dir() -> Path | None:
     """``bench/cpu_shims`` of this checkout (CPU stand-ins), or None outside a checkout."""
     path = REPO / "bench" / "cpu_shims"
     return path if path.is_dir() else None
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(count: int) -> int:
-    """A base port whose ``count`` ports are bindable now and not handed out before here."""
-    for _ in range(2000):
-        base = _rng.randrange(_PORTS[0], _PORTS[1] - count)
-        block = range(base, base + count)
-        if _handed_out.isdisjoint(block) and all(_bindable(port) for port in block):
-            _handed_out.update(block)
-            return base
-    raise RuntimeError(f"no block of {count} free loopback ports")
 
 
 # --------------------------------------------------------------------------- model
@@ -312,7 +291,8 @@ class Server:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise ServerError(f"server exited with {self.returncode()} before it was ready\n{self.log_tail()}")
-            with contextlib.suppress(OSError, ValueError, ServerError):
+            # HTTPException: a starting server (or a stray listener) may answer with no valid status line
+            with contextlib.suppress(OSError, ValueError, ServerError, http.client.HTTPException):
                 self.get("/health", timeout=5)
                 self.server_info()
                 return

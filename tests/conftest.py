@@ -5,38 +5,14 @@ Tests never use fixed ports: several suites (and developers) run at once on one 
 
 from __future__ import annotations
 
-import random
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-# Below Linux's ephemeral range (32768-60999): outgoing connections of concurrent tests never
-# take these ports between the moment one is handed out and the moment it is bound.
-_PORT_RANGE = (20000, 32000)
-_handed_out: set[int] = set()
-_rng = random.Random()  # private: hypothesis seeds the global one per example
+from sglang_kvpub.tools.ports import free_port_block
 
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_block(count: int) -> int:
-    """A base port whose next ``count`` ports are free and not handed out before in this process."""
-    for _ in range(2000):
-        base = _rng.randrange(_PORT_RANGE[0], _PORT_RANGE[1] - count)
-        block = range(base, base + count)
-        if _handed_out.isdisjoint(block) and all(_bindable(port) for port in block):
-            _handed_out.update(block)
-            return base
-    raise RuntimeError(f"no block of {count} free ports")
+__all__ = ["free_port_block", "free_tcp_endpoint", "free_tcp_port"]
 
 
 def free_tcp_port() -> int:

@@ -26,10 +26,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +43,7 @@ import msgspec
 import zmq
 
 from sglang_kvpub.config import PluginConfig
+from sglang_kvpub.tools.ports import free_port
 from sglang_kvpub.tools.simulator import BUILTIN_EVENTS, Dispatch, EventTypes, SimulatedInstance, sglang_event_types
 from sglang_kvpub.wire import seq_counter
 
@@ -175,13 +176,16 @@ class Adapter(Protocol):
     def close(self) -> None: ...
 
 
+_PROBE_ERRORS = (OSError, http.client.HTTPException)  # not listening yet, or not speaking HTTP yet
+
+
 class HttpAdapter:
     """``motor-kv-adapter serve`` in a subprocess, spoken to over HTTP as Motor's client does."""
 
     def __init__(self) -> None:
         self._log = tempfile.TemporaryFile(mode="w+", prefix="kvpub-demo-adapter-")  # noqa: SIM115 (closed in close)
         for _ in range(3):  # the free port may be taken between our probe and the server's bind
-            self.port = _free_port()
+            self.port = free_port()
             self.url = f"http://127.0.0.1:{self.port}"
             cmd = [sys.executable, "-m", "motor_adapter.tools.cli", "--log-level", "WARNING", "serve"]
             cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--registry", "memory"]  # a demo keeps nothing
@@ -197,8 +201,9 @@ class HttpAdapter:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/health", timeout=1.0) as response:
-                if response.status == 200:
+            health = self.url + "/health"
+            with contextlib.suppress(*_PROBE_ERRORS), urllib.request.urlopen(health, timeout=1.0) as reply:
+                if reply.status == 200:
                     return True
             time.sleep(0.05)  # polling a starting process: there is no event to wait on
         return False
@@ -257,13 +262,6 @@ def _make_adapter() -> Adapter:
         hint = "pip install 'sglang-kvpub[motor]'"
         raise DemoError(f"the demo runs motor-kv-adapter, which needs the motor extra: {hint}") from exc
     return HttpAdapter()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # --------------------------------------------------------------------------- the demo
@@ -366,7 +364,7 @@ class Demo:
         for i in range(args.instances):
             instance_id = f"vllm-prefill-{i}"  # the conductor id Motor gives prefill instance i
             for attempt in range(3):  # a probed free port may be taken before the bind
-                pub, replay = _free_port(), _free_port()
+                pub, replay = free_port(), free_port()
                 config = PluginConfig(
                     endpoint=f"tcp://127.0.0.1:{pub}",
                     replay_endpoint=f"tcp://127.0.0.1:{replay}",
