@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from sglang_kvpub.tools.ports import free_port as free_tcp_port
 from sglang_kvpub.tools.ports import free_port_block
 
 __all__ = ["free_port_block", "free_tcp_endpoint", "free_tcp_port"]
-
-
-def free_tcp_port() -> int:
-    return free_port_block(1)
 
 
 def free_tcp_endpoint() -> str:

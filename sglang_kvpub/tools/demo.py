@@ -198,10 +198,10 @@ class HttpAdapter:
 
     def _wait_healthy(self) -> bool:
         deadline = time.monotonic() + WAIT_S
+        health = self.url + "/health"
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 return False
-            health = self.url + "/health"
             with contextlib.suppress(*_PROBE_ERRORS), urllib.request.urlopen(health, timeout=1.0) as reply:
                 if reply.status == 200:
                     return True
