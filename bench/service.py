@@ -9,8 +9,8 @@ in the same run, phases interleaved. Three phases:
 
 - ``noop``: the baseline;
 - ``query``: one prompt posted again and again (the issue's workload: a prompt the
-  service has seen before - its hashed keys are cached, the index walk and the answer
-  are computed anew for every request);
+  service has seen before - its hashed keys are cached; the index walk runs for every
+  request, and the answer is rendered once per walk result, as for any prompt);
 - ``query_distinct``: every request a body never seen before (the prompt with its last
   token changed per request): decoding, range checks and hashing on every request.
 

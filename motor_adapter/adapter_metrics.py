@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from motor_adapter import metrics
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import TierCounts
 from sglang_kvpub.core.tiers import TIERS
 
-__all__ = ["AdapterMetrics", "LABELS_MAX"]
+__all__ = ["AdapterMetrics", "HitTally", "LABELS_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,14 @@ _TIERS = tuple((tier, f"{tier}_blocks") for tier in TIERS)
 LABELS_MAX = 4096
 _MISSED_SERIES_MAX = 256  # model names come from the network: a bounded set of series, then "<other>"
 _MISSED_LOG_INTERVAL_S = 60.0
+
+
+class HitTally(NamedTuple):
+    """One query's hit counts as live cells: ``(cell, blocks)`` per tier hit, and the best
+    hit's blocks (what ``query_hit_blocks`` adds, capped at the blocks asked)."""
+
+    adds: tuple[tuple[list[float], int], ...]
+    best: int
 
 
 def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
@@ -69,22 +77,15 @@ class AdapterMetrics:
     def observe_hits(
         self, model: str, hits: Sequence[tuple[str, str, int, TierCounts]], blocks: int, started: float, block_size: int
     ) -> None:
-        """One query: its latency, its blocks, and per ``(instance, dp key, engine rank, hit)`` the hit tiers.
+        """One query: its latency, its blocks, and per ``(instance, dp key, engine rank, hit)`` the hit tiers."""
+        self.observe_tally(model, self.tally(hits), blocks, started)
 
-        Hot path: counts go into cached live cells (:meth:`metrics.Counter.cell`), no label
-        set is built or hashed per query.
-        """
-        per_model = self._model_cells.get(model)
-        if per_model is None:
-            if len(self._model_cells) >= LABELS_MAX:
-                self._model_cells.clear()  # only a cache: the counters keep their series
-            labels: metrics.Labels = (("model", model),)
-            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
-            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
-        model_labels, queried, hit_blocks = per_model
-        self.latency.observe_labels(time.perf_counter() - started, model_labels)
-        queried[0] += blocks
+    def tally(self, hits: Sequence[tuple[str, str, int, TierCounts]]) -> HitTally:
+        """What counting ``hits`` adds, resolved to live cells (:meth:`metrics.Counter.cell`):
+        a caller that sees the same hits again keeps the tally and counts it again with
+        :meth:`observe_tally`, with no label set built or hashed."""
         best = 0
+        adds: list[tuple[list[float], int]] = []
         for instance, dp, rank, hit in hits:
             counts = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks)
             best = max(best, sum(counts))
@@ -98,8 +99,24 @@ class AdapterMetrics:
                     cell = cells[tier]
                     if cell is None:  # a tier's series appears with its first block, as before
                         cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
-                    cell[0] += count
-        hit_blocks[0] += min(best, blocks)
+                    adds.append((cell, count))
+        return HitTally(tuple(adds), best)
+
+    def observe_tally(self, model: str, tally: HitTally, blocks: int, started: float) -> None:
+        """One query of ``model``: its latency, its ``blocks`` and its hits (a :meth:`tally`)."""
+        per_model = self._model_cells.get(model)
+        if per_model is None:
+            if len(self._model_cells) >= LABELS_MAX:
+                self._model_cells.clear()  # only a cache: the counters keep their series
+            labels: metrics.Labels = (("model", model),)
+            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
+            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
+        model_labels, queried, hit_blocks = per_model
+        self.latency.observe_labels(time.perf_counter() - started, model_labels)
+        queried[0] += blocks
+        for cell, count in tally.adds:
+            cell[0] += count
+        hit_blocks[0] += min(tally.best, blocks)
 
     def missed_registration(self, model: str, tenant: str) -> None:
         """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""

@@ -15,7 +15,7 @@ import logging
 import threading
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -30,6 +30,7 @@ __all__ = ["KvAffinity", "SubscriberFactory", "compat_endpoints", "decision_logg
 
 decision_logger = logging.getLogger("motor_adapter.decision")
 _log = logging.getLogger(__name__)
+_NO_HITS: Mapping[str, tuple[int, TierCounts]] = MappingProxyType({})
 
 
 class _Subscriber(Protocol):
@@ -253,7 +254,7 @@ class KvAffinity:
         :meth:`hits_for_keys` instead).  The HTTP hot path's one-pass walk."""
         known = self._known
         if not known or not keys:
-            return {}
+            return _NO_HITS  # one object: /query remembers its answer
         return self.index.deepest_npu(keys, known)
 
     def select(

@@ -22,6 +22,7 @@ import dataclasses
 import hmac
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ from motor_adapter.registration import (
 from motor_adapter.registry.durable import DurableRegistrations
 from motor_adapter.registry.spec import open_store
 from motor_adapter.settings import MAX_STREAMS_ENV, TOKEN_ENV, ServiceConfig
-from motor_adapter.state import AdapterState, AffinityFactory
+from motor_adapter.state import AdapterState, AffinityFactory, Answer
 from sglang_kvpub.core import hashing
 from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.ratelimit import RateLimiter
@@ -83,12 +84,26 @@ def _json_response(data: Any) -> web.Response:
     return web.Response(body=_ENCODER.encode(data), content_type="application/json")
 
 
+def _wants_msgpack(request: web.Request) -> bool:
+    accept = request.headers.get("Accept")
+    return bool(accept and "msgpack" in accept and any(kind in accept for kind in MSGPACK_TYPES))
+
+
 def _answer(request: web.Request, data: Any) -> web.Response:
     """A query answer: msgpack when the client's Accept names a msgpack type, else JSON."""
-    accept = request.headers.get("Accept")
-    if accept and "msgpack" in accept and any(kind in accept for kind in MSGPACK_TYPES):
+    if _wants_msgpack(request):
         return web.Response(body=_MSGPACK_ENCODER.encode(data), content_type=MSGPACK_TYPES[0])
     return _json_response(data)
+
+
+def _encoded_answer(request: web.Request, answer: Answer) -> web.Response:
+    """:func:`_answer` of a remembered answer: each format encoded once per answer."""
+    kind = MSGPACK_TYPES[0] if _wants_msgpack(request) else "application/json"
+    body = answer.encoded.get(kind)
+    if body is None:
+        encoder = _MSGPACK_ENCODER if kind != "application/json" else _ENCODER
+        body = answer.encoded[kind] = encoder.encode(answer.body)
+    return web.Response(body=body, content_type=kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +122,17 @@ class _PromptCache:
     prompt, several routers asking for the same request) skips decoding, tokenizing and
     hashing. Keyed by XXH3-128 of the body, confirmed by comparing the stored body (a
     collision is a miss, never a wrong answer). Bounded in entries and bytes, least recently
-    used first out. Only touched from the event loop thread."""
+    used first out. A body is kept from its second sight on: the first only leaves its digest
+    (a bounded doorkeeper), so one-off prompts neither pay for keeping a copy nor push out the
+    prompts that recur. Only touched from the event loop thread."""
 
-    def __init__(self, max_entries: int = 1024, max_bytes: int = 32 << 20) -> None:
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 32 << 20, max_seen: int = 8192) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_seen = max_seen
         self._entries: dict[tuple[int, bool], tuple[bytes, _Prompt]] = {}
         self._bytes = 0
+        self._seen: OrderedDict[tuple[int, bool], None] = OrderedDict()  # digests seen once, oldest first out
 
     @staticmethod
     def key(raw: bytes, is_msgpack: bool) -> tuple[int, bool]:
@@ -130,6 +149,8 @@ class _PromptCache:
         size = _entry_bytes(raw, prompt)
         if size > self.max_bytes // 8:
             return  # one huge body must not flush the cache
+        if key not in self._entries and not self._admit(key):
+            return
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= _entry_bytes(*old)
@@ -138,6 +159,16 @@ class _PromptCache:
         while self._bytes > self.max_bytes or len(self._entries) > self.max_entries:
             oldest = next(iter(self._entries))
             self._bytes -= _entry_bytes(*self._entries.pop(oldest))
+
+    def _admit(self, key: tuple[int, bool]) -> bool:
+        """Whether a body not kept yet was seen before; else its digest is remembered."""
+        if key in self._seen:
+            del self._seen[key]
+            return True
+        if len(self._seen) >= self.max_seen:
+            self._seen.popitem(last=False)  # O(1), where a dict's first key is found past its deleted slots
+        self._seen[key] = None
+        return False
 
 
 def _entry_bytes(raw: bytes, prompt: _Prompt) -> int:
@@ -263,7 +294,9 @@ class _Handlers:
             prompt = _Prompt(model, tenant, block_size, keys, len(tokens) // block_size)
             self._prompts.put(cache_key, raw, prompt)
         p = prompt
-        return _answer(request, self.state.query_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started))
+        return _encoded_answer(
+            request, self.state.answer_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started)
+        )
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         body = await self.query_body(request)

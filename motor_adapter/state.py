@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
-from motor_adapter.adapter_metrics import AdapterMetrics
+from motor_adapter.adapter_metrics import AdapterMetrics, HitTally
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
 from motor_adapter.registration import (
@@ -41,7 +41,7 @@ from motor_adapter.scoring import (
 from motor_adapter.settings import ServiceConfig
 from sglang_kvpub.core.hashing import chain_hashes, sequence_keys
 
-__all__ = ["AdapterState", "AffinityFactory", "Hits"]
+__all__ = ["AdapterState", "AffinityFactory", "Answer", "Hits"]
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,29 @@ class _View:
     regs: list[Registration]
     affinity: Union[KvAffinity, None]
     plans: tuple[_Plan, ...]
+    # Rendered instance entries by (instance, what its streams' best ranks hold): a handful
+    # of hits recur across queries, and building an entry cost more than walking the index.
+    answers: dict[tuple[Any, ...], _Rendered] = dataclasses.field(default_factory=dict)
+    # Whole answers by the index's remembered result they render (by identity: the index
+    # hands out the same dict for the same walk ends; the entry keeps it alive).
+    by_best: dict[int, _Answered] = dataclasses.field(default_factory=dict)
+
+
+_Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
+_Rendered = tuple[dict[str, Any], tuple[_Observed, ...], tuple[Any, ...]]  # entry, its hits, what they came from
+_ANSWERS_MAX = 4096  # rendered entries per view: hit depths x ranks x instances seen; then start over
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """A ``/query`` answer (``body``) and its encodings by format (``encoded``, filled by
+    the HTTP layer): remembered answers share both, so a repeat encodes nothing."""
+
+    body: dict[str, Any]
+    encoded: dict[str, bytes]
+
+
+_Answered = tuple[Mapping[str, Any], Answer, HitTally]  # the index's result it renders, the answer, its tally
 
 
 _VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
@@ -352,44 +375,57 @@ class AdapterState:
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
-        return self._keys_response(model, tenant, block_size, keys, len(token_ids) // block_size, started)
+        return self.answer_keys(model, tenant, block_size, keys, len(token_ids) // block_size, started).body
 
     def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = chain_hashes(local_hashes)
-        return self._keys_response(model, tenant, block_size, keys, len(keys), started)
+        return self.answer_keys(model, tenant, block_size, keys, len(keys), started).body
 
     def query_keys(
         self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float | None = None
     ) -> dict[str, Any]:
         """``/query``'s answer for a prompt's chained block keys (``blocks`` full blocks asked)."""
-        return self._keys_response(model, tenant, block_size, keys, blocks, started or time.perf_counter())
+        return self.answer_keys(model, tenant, block_size, keys, blocks, started or time.perf_counter()).body
 
-    def _keys_response(
+    def answer_keys(
         self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
-    ) -> dict[str, Any]:
-        """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path (same JSON)."""
+    ) -> Answer:
+        """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path
+        (same JSON), remembered per result of the index's one-pass walk: the same walk ends
+        give the same answer object, its encodings included. Never mutate it."""
         view = self._view(model, tenant, block_size)
-        cfg, shape = self.scoring_config(block_size), self.config.query_shape
-        best = self._best_ranks(view, keys, block_size)
-        out, observed = _conductor_answer(view.plans, best, block_size, cfg, shape)
-        self.metrics.observe_hits(model, observed, blocks, started, block_size)
-        return {tenant: out}
+        best, remembered = self._best_ranks(view, keys, block_size)
+        done = view.by_best.get(id(best)) if remembered else None
+        if done is None or done[0] is not best:
+            cfg, shape = self.scoring_config(block_size), self.config.query_shape
+            out, observed = _conductor_answer(view.plans, best, block_size, cfg, shape, view.answers)
+            done = (best, Answer({tenant: out}, {}), self.metrics.tally(observed))
+            if remembered:
+                if len(view.by_best) >= _ANSWERS_MAX:
+                    view.by_best.clear()
+                view.by_best[id(best)] = done
+        self.metrics.observe_tally(model, done[2], blocks, started)
+        return done[1]
 
-    def _best_ranks(self, view: _View, keys: list[int], block_size: int) -> Mapping[str, tuple[int, TierCounts]]:
-        """Per stream holding block 0: ``(engine rank, hit)`` of its best rank (``best_rank``)."""
+    def _best_ranks(
+        self, view: _View, keys: list[int], block_size: int
+    ) -> tuple[Mapping[str, tuple[int, TierCounts]], bool]:
+        """Per stream holding block 0: ``(engine rank, hit)`` of its best rank (``best_rank``),
+        and whether that mapping is the index's remembered one (handed out again for the
+        same walk: see ``PrefixIndex.deepest_npu``) rather than built for this query."""
         if view.affinity is None:
-            return {}
+            return {}, False
         best = view.affinity.best_for_keys(keys)  # one pass while only NPU holds blocks
         if best is not None:
-            return best
+            return best, True
         cfg = self.scoring_config(block_size)
         out: dict[str, tuple[int, TierCounts]] = {}
         for stream, ranks in view.affinity.hits_for_keys(keys).items():
             found = best_rank(ranks, cfg)
             if found is not None:
                 out[stream] = (found[0], found[1])
-        return out
+        return out, False
 
     def select(
         self,
@@ -501,34 +537,57 @@ def _conductor_answer(
     block_size: int,
     cfg: KvAffinityConfig,
     shape: str,
-) -> tuple[dict[str, dict[str, Any]], list[tuple[str, str, int, TierCounts]]]:
+    rendered: dict[tuple[Any, ...], _Rendered],
+) -> tuple[dict[str, dict[str, Any]], list[_Observed]]:
     """``/query``'s per-instance entries (:func:`scoring.instance_entry` in ``shape``) from each
     stream's best rank, and the hits listed (instance, dp key, engine rank, hit) for the metrics.
-    Every registered dp is listed."""
+    Every registered dp is listed.  Entries come from ``rendered`` (the view's memo, valid for
+    its one ``block_size``, ``cfg`` and ``shape``) when the same hits were rendered before: the
+    answer's entries are shared between answers and never mutated."""
     out: dict[str, dict[str, Any]] = {}
-    observed: list[tuple[str, str, int, TierCounts]] = []
+    observed: list[_Observed] = []
     for plan in plans:
-        if plan.single:  # one endpoint: its engine ranks fold into the registered dp
-            found = best.get(plan.streams[0][1]) if plan.streams else None
-            if found is None:
-                entry = dp_entry(None, None, block_size)
-            else:
-                entry = dp_entry(found[1], found[0], block_size)
-                observed.append((plan.instance, plan.keys[0], found[0], found[1]))
-            out[plan.instance] = instance_entry({plan.keys[0]: entry}, cfg, block_size, shape)
-            continue
-        per_dp: dict[int, TierCounts] = {}
-        for dp, stream in plan.streams:  # several endpoints: each registered dp reports its own stream's best rank
-            found = best.get(stream)
-            if found is not None:
-                per_dp[dp] = found[1]
-        entries: dict[str, dict[str, Any]] = {}
-        for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
-            hit = per_dp.get(dp)
-            if hit is None:
-                entries[dp_key] = dp_entry(None, dp, block_size)
-                continue
-            entries[dp_key] = dp_entry(hit, dp, block_size)
-            observed.append((plan.instance, dp_key, dp, hit))
-        out[plan.instance] = instance_entry(entries, cfg, block_size, shape)
+        found = tuple(best.get(stream) for _, stream in plan.streams)
+        # A hit by identity: the index interns its hits, and the memo keeps `found` alive.
+        key = (plan.instance, *[None if f is None else (f[0], id(f[1])) for f in found])
+        done = rendered.get(key)
+        if done is None:
+            if len(rendered) >= _ANSWERS_MAX:
+                rendered.clear()
+            entry, hits = _instance_answer(plan, found, block_size, cfg, shape)
+            done = rendered[key] = (entry, hits, found)
+        out[plan.instance] = done[0]
+        observed.extend(done[1])
     return out, observed
+
+
+def _instance_answer(
+    plan: _Plan,
+    found: tuple[Union[tuple[int, TierCounts], None], ...],
+    block_size: int,
+    cfg: KvAffinityConfig,
+    shape: str,
+) -> tuple[dict[str, Any], tuple[_Observed, ...]]:
+    """One instance's entry from its streams' best ranks (``found``, in ``plan.streams`` order)."""
+    observed: list[_Observed] = []
+    if plan.single:  # one endpoint: its engine ranks fold into the registered dp
+        best = found[0] if found else None
+        if best is None:
+            entry = dp_entry(None, None, block_size)
+        else:
+            entry = dp_entry(best[1], best[0], block_size)
+            observed.append((plan.instance, plan.keys[0], best[0], best[1]))
+        return instance_entry({plan.keys[0]: entry}, cfg, block_size, shape), tuple(observed)
+    per_dp: dict[int, TierCounts] = {}
+    for (dp, _), best in zip(plan.streams, found, strict=True):  # several endpoints: each dp its own stream's best rank
+        if best is not None:
+            per_dp[dp] = best[1]
+    entries: dict[str, dict[str, Any]] = {}
+    for dp, dp_key in zip(plan.dps, plan.keys, strict=True):
+        hit = per_dp.get(dp)
+        if hit is None:
+            entries[dp_key] = dp_entry(None, dp, block_size)
+            continue
+        entries[dp_key] = dp_entry(hit, dp, block_size)
+        observed.append((plan.instance, dp_key, dp, hit))
+    return instance_entry(entries, cfg, block_size, shape), tuple(observed)

@@ -356,6 +356,26 @@ def test_u32_from_msgpack_reads_every_integer_form(count: int) -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("at", [0, 1, 2, 500, 998, 999])
+def test_u32_from_msgpack_reads_other_forms_and_names_bad_items_amid_a_long_run(at: int) -> None:
+    """The per-id loop takes fixint/0xcc/0xcd/0xce items in one go and hands any other item
+    to the general reader: a signed or 64-bit encoding amid the run is still an id, and a bad
+    item is named by its index wherever it sits."""
+    rng = random.Random(at)
+    ids = [rng.randrange(1 << rng.choice((7, 8, 16, 32))) for _ in range(1000)]
+    packed = [msgpack.packb(i) for i in ids]
+    head = b"\xdc" + len(ids).to_bytes(2, "big")
+    packed[at] = b"\xcf" + ids[at].to_bytes(8, "big")  # an id in a 64-bit form
+    assert array("I", NATIVE.u32_from_msgpack(head + b"".join(packed))).tolist() == ids
+    packed[at] = b"\xd0\xff"  # -1
+    with pytest.raises(ValueError, match=rf"token_ids\[{at}\] must be an integer"):
+        NATIVE.u32_from_msgpack(head + b"".join(packed))
+    packed[at] = b"\xce\x00"  # cut short: the array runs past the end
+    with pytest.raises(ValueError):
+        NATIVE.u32_from_msgpack(head + b"".join(packed[: at + 1]))
+
+
+@needs_native
 @pytest.mark.parametrize(
     ("items", "bad"),
     [([1, -1], 1), ([1 << 32], 0), ([1, 2, 1.5], 2), ([1, "2"], 1), ([None], 0), ([True], 0), ([[1]], 0)],

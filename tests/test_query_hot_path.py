@@ -87,6 +87,59 @@ def test_deepest_npu_equals_the_fold_of_query_keys(
 
 
 @pytest.mark.unit
+@settings(max_examples=60, deadline=None)
+@given(
+    stores=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 47), st.integers(0, 2), st.integers(0, 8)), min_size=1, max_size=120
+    ),
+    query=st.tuples(st.integers(0, 2), st.integers(0, 10)),
+    asked=st.sets(st.integers(0, 3), min_size=1),
+)
+def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
+    stores: list[tuple[int, int, int, int]], query: tuple[int, int], asked: set[int]
+) -> None:
+    """Up to 4 x 48 workers: masks of one to three 64-bit words, with single-worker keys
+    (stored as ~wid) among them. The C walk (``wide_walk``) and the Python loop agree,
+    and both are the fold of ``query_keys``."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here: only the Python walk exists")
+    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(3)]
+    index = PrefixIndex(IBS)
+    for instance, rank, base, blocks in stores:
+        _store(index, f"i{instance}", rank, bases[base][: blocks * IBS])
+    base, blocks = query
+    keys = sequence_keys([*bases[base][: blocks * IBS], 7, 7, 7, 7], IBS)
+    instances = tuple(f"i{i}" for i in sorted(asked))
+    in_c = index.deepest_npu(keys, instances)
+    native, hashing.NATIVE = hashing.NATIVE, None
+    try:
+        in_python = index.deepest_npu(keys, instances)
+    finally:
+        hashing.NATIVE = native
+    assert in_c == in_python
+    assert in_c is not None
+    assert {k: (r, h.npu_blocks) for k, (r, h) in in_c.items()} == {
+        k: (r, h.npu_blocks) for k, (r, h) in _fold(index, keys, instances).items()
+    }
+
+
+@pytest.mark.unit
+def test_wide_walk_refuses_a_word_count_out_of_range() -> None:
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    with pytest.raises(ValueError, match="words must be in"):
+        hashing.NATIVE.wide_walk([1], {}, 1, 17)
+    assert hashing.NATIVE.wide_walk([5, 6], {5: (1 << 130) | 1, 6: ~130}, (1 << 130) | 1, 3) == (
+        [(1, 1), (2, 1 << 130)],
+        2,
+    )
+
+
+@pytest.mark.unit
 def test_deepest_npu_defers_to_query_keys_once_another_tier_holds_blocks() -> None:
     index = PrefixIndex(IBS)
     tokens = list(range(3 * IBS))
@@ -113,20 +166,59 @@ def test_the_same_instances_tuple_sees_ranks_and_instances_that_appear_later() -
 
 
 @pytest.mark.unit
+def test_deepest_npu_remembers_a_walk_until_its_worker_ids_name_other_ranks() -> None:
+    """The same walk ends give the same (shared) answer; once an instance is cleared and
+    its worker ids are recycled for another, the same ends name the new ranks."""
+    index = PrefixIndex(IBS)
+    tokens = list(range(3 * IBS))
+    keys = sequence_keys(tokens, IBS)
+    _store(index, "a", 0, tokens)
+    first = index.deepest_npu(keys, ("a", "b"))
+    assert first == {"a": (0, TierHit(3, 0, 0))}
+    assert index.deepest_npu(keys, ("a", "b")) is first
+    index.clear_instance("a")
+    assert index.deepest_npu(keys, ("a", "b")) == {}
+    _store(index, "b", 5, tokens)  # takes worker id 0 again: the same ends as before
+    assert index.deepest_npu(keys, ("a", "b")) == {"b": (5, TierHit(3, 0, 0))}
+    _store(index, "b", 2, tokens[: 2 * IBS])  # a new rank: other ends
+    assert index.deepest_npu(keys, ("a", "b")) == {"b": (5, TierHit(3, 0, 0))}
+
+
+@pytest.mark.unit
 def test_prompt_cache_confirms_the_body_and_stays_bounded() -> None:
     cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
     bodies = [bytes([i]) * 100 for i in range(5)]
     for i, body in enumerate(bodies):
-        cache.put(cache.key(body, True), body, _Prompt(MODEL, "default", BS, [i], 1))
+        for _ in range(2):  # kept from the second sight on
+            cache.put(cache.key(body, True), body, _Prompt(MODEL, "default", BS, [i], 1))
     assert cache.get(cache.key(bodies[0], True), bodies[0]) is None  # evicted, oldest first
     hit = cache.get(cache.key(bodies[4], True), bodies[4])
     assert hit is not None and hit.keys == [4]
     assert cache.get(cache.key(bodies[4], False), bodies[4]) is None  # JSON and msgpack never mix
     assert cache.get(cache.key(bodies[4], True), bodies[3]) is None  # a digest whose body differs: a miss
     big = b"x" * (1 << 18)  # over an eighth of max_bytes: not kept
-    cache.put(cache.key(big, True), big, _Prompt(MODEL, "default", BS, [9], 1))
+    for _ in range(2):
+        cache.put(cache.key(big, True), big, _Prompt(MODEL, "default", BS, [9], 1))
     assert cache.get(cache.key(big, True), big) is None
     assert cache.get(cache.key(bodies[3], True), bodies[3]) is not None
+
+
+@pytest.mark.unit
+def test_prompt_cache_keeps_a_body_from_its_second_sight_within_a_bounded_doorkeeper() -> None:
+    cache = _PromptCache(max_entries=8, max_bytes=1 << 20, max_seen=2)
+    bodies = [bytes([i]) * 100 for i in range(4)]
+    keys = [cache.key(body, True) for body in bodies]
+    cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
+    assert cache.get(keys[0], bodies[0]) is None  # seen once: only its digest is remembered
+    cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
+    assert cache.get(keys[0], bodies[0]) is not None  # seen twice: kept
+    for i in (1, 2, 3):  # three first sights through a doorkeeper of two: body 1's digest is pushed out
+        cache.put(keys[i], bodies[i], _Prompt(MODEL, "default", BS, [i], 1))
+    cache.put(keys[1], bodies[1], _Prompt(MODEL, "default", BS, [1], 1))
+    assert cache.get(keys[1], bodies[1]) is None  # a first sight again
+    cache.put(keys[3], bodies[3], _Prompt(MODEL, "default", BS, [3], 1))
+    assert cache.get(keys[3], bodies[3]) is not None
+    assert len(cache._seen) <= 2
 
 
 def _post(url: str, data: bytes, headers: dict[str, str]) -> tuple[str, bytes]:

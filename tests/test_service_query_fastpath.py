@@ -166,6 +166,59 @@ def test_fused_query_equals_conductor_response_of_instance_hits(
         state.close()
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    steps=st.lists(st.sampled_from(["store", "remove", "new_rank", "query"]), min_size=1, max_size=30),
+)
+def test_remembered_answers_follow_every_index_change(seed: int, steps: list[str]) -> None:
+    """``/query`` remembers an answer per walk result of the index (HBM only): stores,
+    removals and ranks that appear between two queries of the same prompt must show in the
+    next answer, every answer must equal the general path's, and every query is counted."""
+    rng = random.Random(seed)
+    state = _state(KvAffinityConfig(block_size=BS))
+    try:
+        streams = ["tcp://127.0.0.1:1001", "tcp://127.0.0.1:1002"]
+        for i, stream in enumerate(streams):
+            state.register(_reg(f"p{i}", 0, stream))
+        aff = state.affinity(MODEL, "default", BS)
+        assert aff is not None
+        tokens = [rng.randrange(1000) for _ in range(8 * BS)]
+        keys = sequence_keys(tokens, BS)
+        held: dict[tuple[str, int], list[int]] = {}  # (stream, rank) -> block hashes stored, in order
+        queries = 0
+        for step in [*steps, "query"]:
+            stream, rank = rng.choice(streams), rng.randrange(3 if step != "new_rank" else 64)
+            chain = held.setdefault((stream, rank), [])
+            if step in ("store", "new_rank") and len(chain) < len(keys):
+                more = rng.randint(1, len(keys) - len(chain))
+                hashes = [rng.getrandbits(62) + 1 for _ in range(more)]
+                event = wire.BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=chain[-1] if chain else None,
+                    token_ids=tokens[len(chain) * BS : (len(chain) + more) * BS],
+                    block_size=BS,
+                    medium=wire.MEDIUM_GPU,
+                )
+                aff.index.apply_batch(stream, wire.EventBatch(ts=0.0, events=[event], dp_rank=rank))
+                chain.extend(hashes)
+            elif step == "remove" and chain:
+                cut = rng.randrange(len(chain))
+                removed = wire.BlockRemoved(block_hashes=chain[cut:], medium=wire.MEDIUM_GPU)
+                aff.index.apply_batch(stream, wire.EventBatch(ts=0.0, events=[removed], dp_rank=rank))
+                del chain[cut:]
+            expected = _reference(state, keys)
+            first = state.answer_keys(MODEL, "default", BS, keys, len(keys), 0.0)
+            again = state.answer_keys(MODEL, "default", BS, keys, len(keys), 0.0)
+            queries += 2
+            assert first.body == again.body == expected
+            assert again is first  # the same walk: the remembered answer
+        assert state.metrics.latency.count(model=MODEL) == queries
+        assert state.metrics.query_blocks.value(model=MODEL) == queries * len(keys)
+    finally:
+        state.close()
+
+
 def test_registration_changes_reach_the_next_query() -> None:
     state = _state(KvAffinityConfig(block_size=BS))
     try:

@@ -58,6 +58,7 @@ _NATIVE_NAMES = (
     "npu_walk_ranks",
     "dispatch_score",
     "KeyMasks",
+    "wide_walk",
     "emit_hits",
     "emit_ranks",
     "u32_from_ints",

@@ -53,9 +53,10 @@ import logging
 import sys
 import threading
 from array import array
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
+from types import MappingProxyType
 from typing import TypeVar
 
 from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
@@ -89,6 +90,9 @@ _Out = TypeVar("_Out")  # what an NPU walk emits into (see PrefixIndex._npu_walk
 
 _U64 = (1 << 64) - 1
 _NATIVE_HELD_LIMIT = 1 << 64  # the C walk takes worker masks of at most 64 bits
+_WIDE_WORDS_MAX = 16  # the C wide walk's masks: at most 16 u64 words (1024 workers)
+_DEEPEST_SEEN_MAX = 4096  # remembered walk ends -> per-instance deepest ranks
+NO_HITS: Mapping[str, tuple[int, TierHit]] = MappingProxyType({})  # deepest_npu's one answer for no hit
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
 _PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
@@ -254,6 +258,7 @@ class PrefixIndex:
         self._inst_pages: dict[str, list[int]] = {}
         self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
         self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
+        self._deepest_seen: dict[tuple[tuple[int, int], ...], dict[str, tuple[int, TierHit]]] = {}
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -304,6 +309,7 @@ class PrefixIndex:
                 self._rank_of[worker.wid] = -1
             self._inst_masks.pop(instance, None)
             self._allowed = ((), 0)
+            self._deepest_seen.clear()  # ends name other workers now
             for page in self._inst_pages.pop(instance, []):
                 self._pages[page] = ""
                 heapq.heappush(self._free_pages, page)
@@ -348,7 +354,7 @@ class PrefixIndex:
                 self._touch(keys[:depth])
             return self._resolve(records)
 
-    def deepest_npu(self, keys: Sequence[int], instances: Collection[str]) -> dict[str, tuple[int, TierHit]] | None:
+    def deepest_npu(self, keys: Sequence[int], instances: Collection[str]) -> Mapping[str, tuple[int, TierHit]] | None:
         """``instance -> (dp_rank, hit)``: per instance of ``instances``, its rank holding the
         longest prefix of ``keys`` (the lowest rank among equals), for instances holding
         block 0.  That is the fold of :meth:`query_keys` under any non-negative tier weights
@@ -359,29 +365,41 @@ class PrefixIndex:
                 return None
             self._queries += 1
             if not keys:
-                return {}
-            allowed = self._instance_mask(instances)
-            get = self._masks[0].get
-            holders = get(keys[0], 0)
-            held = allowed & (holders if holders >= 0 else 1 << ~holders)
-            if not held:
-                return {}
-            leaves: list[tuple[int, int]] = []  # (position, workers whose prefix ends there)
-            position = 1
-            for key in islice(keys, 1, None):
-                holders = get(key, 0)
-                kept = held & (holders if holders >= 0 else 1 << ~holders)
-                if kept != held:
-                    leaves.append((position, held ^ kept))
-                    if not kept:
-                        break
-                    held = kept
-                position += 1
-            else:
-                leaves.append((position, held))
+                return NO_HITS
+            leaves, position = self._npu_leaves(keys, self._instance_mask(instances))
+            if not leaves:
+                return NO_HITS
             if self._refresh():
                 self._touch(keys[:position])
-            return self._deepest(leaves)
+            return self._deepest_of(leaves)
+
+    def _npu_leaves(self, keys: Sequence[int], allowed: int) -> tuple[list[tuple[int, int]], int]:
+        """The NPU walk of ``keys`` for the workers of ``allowed``: ``(position, workers whose
+        prefix ends there)`` in ascending position (none when no worker holds block 0), and the
+        deepest position.  In C (``wide_walk``) when built and the masks fit its words."""
+        words = (len(self._by_wid) + 63) >> 6
+        native = hashing.NATIVE
+        if native is not None and 0 < words <= _WIDE_WORDS_MAX and type(keys) is list:
+            found: tuple[list[tuple[int, int]], int] = native.wide_walk(keys, self._masks[0], allowed, words)
+            return found
+        get = self._masks[0].get
+        holders = get(keys[0], 0)
+        held = allowed & (holders if holders >= 0 else 1 << ~holders)
+        if not held:
+            return [], 0
+        leaves: list[tuple[int, int]] = []
+        position = 1
+        for key in islice(keys, 1, None):
+            holders = get(key, 0)
+            kept = held & (holders if holders >= 0 else 1 << ~holders)
+            if kept != held:
+                leaves.append((position, held ^ kept))
+                if not kept:
+                    return leaves, position
+                held = kept
+            position += 1
+        leaves.append((position, held))
+        return leaves, position
 
     def _query_npu(self, chunks: Iterable[Sequence[int]], allowed: int | None) -> dict[str, dict[int, TierHit]]:
         """:meth:`query_keys` while only the NPU tier holds blocks (under the lock), over
@@ -440,6 +458,18 @@ class PrefixIndex:
                     out[instance] = fresh
                 else:
                     ranks.update(fresh)
+
+    def _deepest_of(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+        """:meth:`_deepest`, remembered by the walk's ends: similar prompts end their walks
+        alike, and the same ends name the same ranks until a worker comes or goes (which
+        forgets them all).  Bounded; the dict returned is shared, never mutated."""
+        key = tuple(leaves)
+        found = self._deepest_seen.get(key)
+        if found is None:
+            if len(self._deepest_seen) >= _DEEPEST_SEEN_MAX:
+                self._deepest_seen.clear()
+            found = self._deepest_seen[key] = self._deepest(leaves)
+        return found
 
     def _deepest(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
         """Per instance its deepest leaver (lowest rank among equals): deepest first, and an
@@ -614,6 +644,7 @@ class PrefixIndex:
             worker = _Worker(wid, instance, dp_rank)
             self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
             self._allowed = ((), 0)
+            self._deepest_seen.clear()  # ends name other workers now
             self._by_wid[wid] = worker
             self._rank_of[wid] = dp_rank
             self._workers[(instance, dp_rank)] = worker
