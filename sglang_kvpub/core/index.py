@@ -92,7 +92,7 @@ _U64 = (1 << 64) - 1
 _NATIVE_HELD_LIMIT = 1 << 64  # the C walk takes worker masks of at most 64 bits
 _WIDE_WORDS_MAX = 16  # the C wide walk's masks: at most 16 u64 words (1024 workers)
 _DEEPEST_SEEN_MAX = 4096  # remembered walk ends -> per-instance deepest ranks
-NO_HITS: Mapping[str, tuple[int, TierHit]] = MappingProxyType({})  # deepest_npu's one answer for no hit
+_NO_HITS: Mapping[str, tuple[int, TierHit]] = MappingProxyType({})  # deepest_npu's one answer for no hit
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
 _PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
@@ -359,16 +359,17 @@ class PrefixIndex:
         longest prefix of ``keys`` (the lowest rank among equals), for instances holding
         block 0.  That is the fold of :meth:`query_keys` under any non-negative tier weights
         when only the NPU tier holds blocks; ``None`` when a CPU or disk tier holds any (then
-        ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits."""
+        ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits.
+        Queries whose walks end alike get the same mapping object: never mutate it."""
         with self._lock:
             if self._masks[1] or self._masks[2]:
                 return None
             self._queries += 1
             if not keys:
-                return NO_HITS
+                return _NO_HITS
             leaves, position = self._npu_leaves(keys, self._instance_mask(instances))
             if not leaves:
-                return NO_HITS
+                return _NO_HITS
             if self._refresh():
                 self._touch(keys[:position])
             return self._deepest_of(leaves)
