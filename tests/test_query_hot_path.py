@@ -59,6 +59,21 @@ def _fold(index: PrefixIndex, keys: list[int], instances: tuple[str, ...]) -> di
     return out
 
 
+def _indexed(
+    stores: list[tuple[int, int, int, int]], query: tuple[int, int], asked: set[int], prompts: int
+) -> tuple[PrefixIndex, list[int], tuple[str, ...]]:
+    """An index holding ``(instance, rank, prompt, blocks)`` stores of ``prompts`` prompts,
+    the keys of ``query`` = ``(prompt, blocks)`` with a block no one holds after them, and
+    the instances asked."""
+    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(prompts)]
+    index = PrefixIndex(IBS)
+    for instance, rank, base, blocks in stores:
+        _store(index, f"i{instance}", rank, bases[base][: blocks * IBS])
+    base, blocks = query
+    keys = sequence_keys([*bases[base][: blocks * IBS], 7, 7, 7, 7], IBS)
+    return index, keys, tuple(f"i{i}" for i in sorted(asked))
+
+
 @pytest.mark.unit
 @settings(max_examples=80, deadline=None)
 @given(
@@ -71,13 +86,7 @@ def _fold(index: PrefixIndex, keys: list[int], instances: tuple[str, ...]) -> di
 def test_deepest_npu_equals_the_fold_of_query_keys(
     stores: list[tuple[int, int, int, int]], query: tuple[int, int], asked: set[int]
 ) -> None:
-    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(4)]
-    index = PrefixIndex(IBS)
-    for instance, rank, base, blocks in stores:
-        _store(index, f"i{instance}", rank, bases[base][: blocks * IBS])
-    base, blocks = query
-    keys = sequence_keys([*bases[base][: blocks * IBS], 7, 7, 7, 7], IBS)
-    instances = tuple(f"i{i}" for i in sorted(asked))
+    index, keys, instances = _indexed(stores, query, asked, prompts=4)
     got = index.deepest_npu(keys, instances)
     assert got is not None
     assert {k: (r, h.npu_blocks) for k, (r, h) in got.items()} == {
@@ -105,13 +114,7 @@ def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
 
     if hashing.NATIVE is None:
         pytest.skip("the C helpers are not built here: only the Python walk exists")
-    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(3)]
-    index = PrefixIndex(IBS)
-    for instance, rank, base, blocks in stores:
-        _store(index, f"i{instance}", rank, bases[base][: blocks * IBS])
-    base, blocks = query
-    keys = sequence_keys([*bases[base][: blocks * IBS], 7, 7, 7, 7], IBS)
-    instances = tuple(f"i{i}" for i in sorted(asked))
+    index, keys, instances = _indexed(stores, query, asked, prompts=3)
     in_c = index.deepest_npu(keys, instances)
     native, hashing.NATIVE = hashing.NATIVE, None
     try:
