@@ -9,9 +9,13 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-__all__ = ["emit", "percentile", "Timer", "timer", "Target", "TARGETS", "with_targets"]
+__all__ = ["MOONCAKE_TRACES", "emit", "percentile", "Timer", "timer", "Target", "TARGETS", "with_targets"]
+
+# The public Mooncake traces (FAST'25, Apache-2.0) ship in the repository: see bench/data/mooncake/README.md.
+MOONCAKE_TRACES = Path(__file__).resolve().parent / "data" / "mooncake"
 
 
 def emit(record: dict[str, Any]) -> None:

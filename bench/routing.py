@@ -102,7 +102,7 @@ _HERE = Path(__file__).resolve().parent
 if str(_HERE.parent) not in sys.path:  # bench/ is a folder of scripts: the repository root holds the packages
     sys.path.insert(0, str(_HERE.parent))
 
-from bench._common import with_targets  # noqa: E402
+from bench._common import MOONCAKE_TRACES, with_targets  # noqa: E402
 from motor_adapter.affinity import KvAffinity  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
@@ -134,7 +134,7 @@ ALL_POLICIES = (
 SHIPPED_POLICIES = ("dp0_only", "instance_affinity", "fold_pinned", "fold_pinned_dispatch")
 EXTRA_POLICIES = ("oracle_max_prefix",)  # diagnostics, only when named in --policies
 REPO_ROOT = _HERE.parent
-DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACES / "conversation_trace.jsonl"
 
 
 # ------------------------------------------------------------------------------------------ workload
@@ -163,8 +163,8 @@ def load_trace(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """Records of a Mooncake jsonl trace (timestamp ms, input_length, output_length, hash_ids)."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"trace not found: {path} (the Mooncake traces live in ../shared/data/mooncake/ next to the repo; "
-            "pass --trace FILE)"
+            f"trace not found: {path} (the Mooncake traces ship in {MOONCAKE_TRACES}: "
+            "a checkout without them can restore them with `git checkout -- bench/data`; or pass --trace FILE)"
         )
     records: list[dict[str, Any]] = []
     with path.open() as fh:

@@ -36,9 +36,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script: bench/ is a folder, the repository root holds it
     sys.path.insert(0, str(ROOT))
 
+from bench._common import MOONCAKE_TRACES as TRACES  # noqa: E402
 from bench._common import TARGETS  # noqa: E402
-
-TRACES = ROOT.parent / "shared" / "data" / "mooncake"
 
 
 @dataclasses.dataclass(frozen=True)

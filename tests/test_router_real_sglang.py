@@ -22,7 +22,12 @@ from conftest import free_port_block
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.scoring import Candidate, KvAffinityConfig
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(180),
+    sglang_real.requires_radix_cache,
+    sglang_real.requires_sglang_kv_events,
+]
 
 PAGE = 128
 RANKS = 4
