@@ -163,8 +163,8 @@ def load_trace(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """Records of a Mooncake jsonl trace (timestamp ms, input_length, output_length, hash_ids)."""
     if not path.is_file():
         raise FileNotFoundError(
-            f"trace not found: {path} (the Mooncake traces ship in {MOONCAKE_TRACES}: "
-            "a checkout without them can restore them with `git checkout -- bench/data`; or pass --trace FILE)"
+            f"trace not found: {path} (the Mooncake traces ship with the repository in {MOONCAKE_TRACES}; "
+            "pass --trace FILE for another)"
         )
     records: list[dict[str, Any]] = []
     with path.open() as fh:
