@@ -332,6 +332,11 @@ class CacheAwareDispatcher:
 
     # ------------------------------------------------------------------ metrics
 
+    def decision_counts(self) -> dict[str, int]:
+        """Decisions per reason since the start (the reasons seen so far)."""
+        with self._stats_lock:
+            return dict(self._counts)
+
     def stats(self) -> dict[str, Any]:
         """Decisions per reason (every reason present), matched tokens, index size."""
         with self._stats_lock:
