@@ -104,9 +104,15 @@ if str(_HERE.parent) not in sys.path:  # bench/ is a folder of scripts: the repo
 
 from bench._common import with_targets  # noqa: E402
 from motor_adapter.affinity import KvAffinity  # noqa: E402
+from motor_adapter.registration import parse_registration  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
+from motor_adapter.settings import ServiceConfig  # noqa: E402
+from motor_adapter.state import AdapterState  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
+from sglang_kvpub.config import PluginConfig  # noqa: E402
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
+from sglang_kvpub.core.hashing import sequence_keys  # noqa: E402
+from sglang_kvpub.core.rank_cost import spread_key  # noqa: E402
 from sglang_kvpub.core.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
@@ -117,6 +123,8 @@ OVERLAP_CREDIT = 1.0
 PREFILL_LOAD_SCALE = 1.0
 LOAD_WEIGHT = 1.0
 ALL_POLICIES = (
+    "default",
+    "default_motor_b2",
     "round_robin",
     "load_balance",
     "dp0_only",
@@ -131,7 +139,21 @@ ALL_POLICIES = (
 )
 # Policies that run the shipped code (motor_adapter's KvAffinity, sglang_kvpub's dispatcher);
 # the model_* policies are the earlier models of the same ideas, kept as baselines.
-SHIPPED_POLICIES = ("dp0_only", "instance_affinity", "fold_pinned", "fold_pinned_dispatch")
+SHIPPED_POLICIES = (
+    "default",
+    "default_motor_b2",
+    "dp0_only",
+    "instance_affinity",
+    "fold_pinned",
+    "fold_pinned_dispatch",
+)
+# What operators get by default: Motor's unchanged kv_cache_affinity over the adapter's /query
+# answer (which scores each instance by the rank that would serve the request, from the rank
+# loads on the stream), then the plugin's cache-aware dispatcher inside the instance.
+DEFAULT_POLICIES = ("default", "default_motor_b2")
+MODEL = "bench-model"
+TENANT = "default"
+LOAD_REPORT_S = PluginConfig().load_report_s  # the fan-in's rank-load message period (shipped default)
 EXTRA_POLICIES = ("oracle_max_prefix",)  # diagnostics, only when named in --policies
 REPO_ROOT = _HERE.parent
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
@@ -299,15 +321,61 @@ class ShippedFeed:
     bug), and ``CacheAwareDispatcher.observe`` of each instance's dispatcher (the fan-in's feed).
     """
 
-    def __init__(self, instances: int, ranks: int, page_size: int, *, router: bool, dp0: bool, dispatch: bool) -> None:
+    def __init__(
+        self,
+        instances: int,
+        ranks: int,
+        page_size: int,
+        *,
+        router: bool,
+        dp0: bool,
+        dispatch: bool,
+        adapter: bool = False,
+    ) -> None:
         cfg = KvAffinityConfig(block_size=page_size)
+        self.page_size = page_size
         self.names = [f"instance-{i}" for i in range(instances)]
         self.encoder = wire.BatchEncoder()
         self.decoder = wire.BatchDecoder()
+        self.loads_codec = wire.LoadReportCodec()  # the fan-in's encoder and the subscriber's decoder
         self.router = self._affinity(cfg) if router else None
         self.dp0 = self._affinity(cfg) if dp0 else None
         self.dispatchers = [CacheAwareDispatcher(ranks, page_size) for _ in range(instances)] if dispatch else []
+        self.adapter = self._adapter(cfg) if adapter else None
         self.batches = 0
+        self.load_reports = 0
+        self.agreed = self.compared = 0  # dispatcher's rank == the rank the adapter scored the instance by
+
+    def _adapter(self, cfg: KvAffinityConfig) -> AdapterState:
+        """``motor-kv-adapter serve``'s state, each instance registered as Motor registers it
+        (one endpoint, dp 0; its stream carries every rank)."""
+        state = AdapterState(
+            ServiceConfig(kv_affinity=cfg),
+            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_NoStream),
+        )
+        for i in range(len(self.names)):
+            body = {"instance_id": f"vllm-prefill-{i}", "endpoint": self.stream(i), "type": "vLLM"}
+            state.register(parse_registration({**body, "modelname": MODEL, "block_size": cfg.block_size, "dp_rank": 0}))
+        return state
+
+    @staticmethod
+    def stream(instance: int) -> str:
+        return f"tcp://10.0.0.{instance + 1}:5557"
+
+    def adapter_affinity(self) -> KvAffinity:
+        assert self.adapter is not None
+        affinity = self.adapter.affinity(MODEL, TENANT, self.page_size)
+        assert affinity is not None
+        return affinity
+
+    def report_loads(self, instance: int, loads: Sequence[float], ts: float) -> None:
+        """One rank-load message of an instance: encoded as the fan-in encodes it, decoded as the
+        adapter's subscriber decodes it, applied to the adapter's load book."""
+        figures = wire.RankLoads([wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)], {}, LOAD_REPORT_S)
+        report = self.loads_codec.decode(self.loads_codec.encode(ts, figures))
+        assert report is not None
+        self.adapter_affinity().loads.apply(self.stream(instance), report)
+        self.load_reports += 1
 
     def _affinity(self, cfg: KvAffinityConfig) -> KvAffinity:
         affinity = KvAffinity(cfg, subscriber_factory=_NoStream)
@@ -328,11 +396,15 @@ class ShippedFeed:
             self.dp0.index.apply_batch(name, batch)
         if self.dispatchers:
             self.dispatchers[instance].observe(batch, rank)
+        if self.adapter is not None:
+            self.adapter_affinity().index.apply_batch(self.stream(instance), batch)
 
     def close(self) -> None:
         for affinity in (self.router, self.dp0):
             if affinity is not None:
                 affinity.close()
+        if self.adapter is not None:
+            self.adapter.close()
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -472,6 +544,44 @@ class Cluster:
 Policy = Callable[[Cluster, Request], int]  # -> flat rank index (instance * ranks + rank)
 
 
+MotorPick = Callable[[dict[str, Any], list[tuple[str, float]], int, KvAffinityConfig], str]
+
+
+def motor_ascend_pick(
+    answer: dict[str, Any], candidates: list[tuple[str, float]], isl: int, cfg: KvAffinityConfig
+) -> str:
+    """The Ascend source's kv_cache_affinity, unchanged (a model of Motor's code, read from it:
+    tests/fixtures/motor_versions.json): per listed instance ``matched = min(DP["0"], isl)``,
+    ``prefill_load_scale * max(0, isl - overlap_credit * matched) + load_weight * load``, the
+    lowest first (a stable sort: candidate order on ties)."""
+    scored = []
+    for name, load in candidates:
+        entry = answer.get(name)
+        if entry is None:
+            continue
+        matched = min(int(entry["DP"].get("0", 0)), isl)
+        cost = cfg.prefill_load_scale * max(0.0, isl - cfg.overlap_credit * matched) + cfg.load_weight * load
+        scored.append((cost, name))
+    if not scored:  # nothing listed: load_balance
+        return min(candidates, key=lambda c: c[1])[0]
+    return min(scored, key=lambda s: s[0])[1]
+
+
+def motor_b2_pick(answer: dict[str, Any], candidates: list[tuple[str, float]], isl: int, cfg: KvAffinityConfig) -> str:
+    """mindie-motor 3.0.0b2's kv_cache_affinity, unchanged (a model of its code): the last
+    listed instance whose int ``GPU`` is not below the largest so far (starting at 0), then its
+    endpoint by ``DP``; nothing selected: load_balance."""
+    best_gpu, picked = 0, None
+    for name, _ in candidates:
+        entry = answer.get(name)
+        if entry is None or entry.get("GPU", 0) < best_gpu:
+            continue
+        best_gpu, picked = entry.get("GPU", 0), name
+    if picked is None or answer[picked].get("DP", {}).get("0", 0) < 0:
+        return min(candidates, key=lambda c: c[1])[0]
+    return picked
+
+
 def unified_cost(isl: int, matched: int, load: float) -> float:
     """Motor's kv_cache_affinity unified score (lower wins)."""
     prefill_cost = max(0.0, isl - OVERLAP_CREDIT * matched)
@@ -499,6 +609,8 @@ class Router:
 
     def policy(self, name: str) -> Policy:
         table: dict[str, Policy] = {
+            "default": self.default,
+            "default_motor_b2": self.default_motor_b2,
             "round_robin": self.round_robin,
             "load_balance": self.load_balance,
             "dp0_only": self.dp0_only,
@@ -600,6 +712,36 @@ class Router:
         rank = self.feed.dispatchers[inst].choose(tokens, loads).rank
         return base + rank if rank is not None else self._rr_rank(inst)
 
+    def default(self, cl: Cluster, req: Request) -> int:
+        """What operators get: Motor (the Ascend source's unchanged cost) over the adapter's
+        ``/query`` answer picks the instance, the instance's dispatcher the rank."""
+        return self._default(cl, req, motor_ascend_pick)
+
+    def default_motor_b2(self, cl: Cluster, req: Request) -> int:
+        """The same with mindie-motor 3.0.0b2's reading of the answer (the largest ``GPU``)."""
+        return self._default(cl, req, motor_b2_pick)
+
+    def _default(self, cl: Cluster, req: Request, motor: MotorPick) -> int:
+        feed = self.feed
+        assert feed is not None and feed.adapter is not None and feed.dispatchers
+        tokens = request_tokens(req, cl.page_size)
+        spread = spread_key(tokens, cl.page_size)
+        keys = sequence_keys(tokens, cl.page_size)
+        answer = feed.adapter.answer_keys(
+            MODEL, TENANT, cl.page_size, keys, len(tokens) // cl.page_size, time.perf_counter(), len(tokens), spread
+        ).body[TENANT]
+        order = self._rotation(self.n_inst)  # Motor's instance order: it keeps it on ties
+        candidates = [(f"vllm-prefill-{i}", cl.instance_load(i)) for i in order]
+        picked = motor(answer, candidates, len(tokens), KvAffinityConfig(block_size=cl.page_size))
+        inst = int(picked.rsplit("-", 1)[1])
+        base = inst * self.n_ranks
+        loads = [cl.rank_load(base + r) for r in range(self.n_ranks)]
+        rank = feed.dispatchers[inst].choose(tokens, loads, spread=spread).rank
+        if rank is not None:  # a prompt shorter than a block: Motor asks no /query, SGLang's policy runs
+            feed.compared += 1
+            feed.agreed += int(rank == answer[picked]["dp_detail"]["0"]["engine_dp_rank"])
+        return base + rank if rank is not None else self._rr_rank(inst)
+
     # ----- the earlier models of the same policies (baselines)
     def model_dp0_only(self, cl: Cluster, req: Request) -> int:
         return self._rr_rank(self._best_instance(cl, req, lambda i: cl.matched_tokens(i * self.n_ranks, req)))
@@ -641,6 +783,7 @@ class SimConfig:
     tokens_per_s: float = DEFAULT_TOKENS_PER_S
     hotspot_tokens: float | None = None
     seed: int = 0
+    load_report_s: float = LOAD_REPORT_S
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -664,14 +807,27 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
             cfg.page_size,
             router=policy_name != "dp0_only",
             dp0=policy_name == "dp0_only",
-            dispatch=policy_name == "fold_pinned_dispatch",
+            dispatch=policy_name in ("fold_pinned_dispatch", *DEFAULT_POLICIES),
+            adapter=policy_name in DEFAULT_POLICIES,
         )
     cl.feed = feed
     router = Router(cfg.instances, cfg.ranks, cfg.hotspot_tokens, cfg.seed, feed=feed)
     policy = router.policy(policy_name)
     t0 = time.perf_counter()
+    period = cfg.load_report_s
+    reported = -1.0
     try:
         for req in requests:
+            if feed is not None and feed.adapter is not None:
+                # The adapter's view at this arrival: the fan-in's last rank-load message, sent at
+                # the last multiple of the period (each instance's ranks' queued prefill tokens then).
+                at = math.floor(req.arrival_s / period) * period
+                if at > reported:
+                    cl.advance(at)
+                    for inst in range(cfg.instances):
+                        base = inst * cfg.ranks
+                        feed.report_loads(inst, [cl.rank_load(base + r) for r in range(cfg.ranks)], at)
+                    reported = at
             cl.advance(req.arrival_s)
             cl.dispatch(req, policy(cl, req))
         cl.drain()
@@ -697,6 +853,11 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
         "sim_wall_s": round(wall, 3),
         "code": "shipped" if feed is not None else ("oracle" if policy_name.startswith("oracle") else "model"),
         "wire_batches": feed.batches if feed is not None else 0,
+        **(
+            {"load_reports": feed.load_reports, "rank_agreement": round(feed.agreed / feed.compared, 4)}
+            if feed is not None and feed.compared
+            else {}
+        ),
     }
 
 

@@ -49,6 +49,10 @@ class RankLoadBook:
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._by_instance: dict[str, InstanceLoads] = {}
+        # Tokens committed to a rank by /query answers since the instance's last report (the
+        # rank the answer made Motor pick): Motor's own committed-tokens idea, so a burst of
+        # requests between two reports does not all score the same idle rank.
+        self._commits: dict[str, dict[int, float]] = {}
         self._version = 0
         self.reports = 0
 
@@ -64,6 +68,7 @@ class RankLoadBook:
             prefill[r.dp_rank] = r.prefill_tokens_total
         self._version += 1
         self.reports += 1
+        self._commits.pop(instance, None)  # the new figures include what was committed before them
         self._by_instance[instance] = InstanceLoads(
             time.monotonic() if now is None else now,
             report.ts,
@@ -85,8 +90,22 @@ class RankLoadBook:
             return None
         return found
 
+    def loads(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
+        """``figures.loads`` plus what was committed to each rank since that report."""
+        extra = self._commits.get(instance)
+        if not extra:
+            return figures.loads
+        return tuple(load + extra.get(rank, 0.0) for rank, load in enumerate(figures.loads))
+
+    def commit(self, instance: str, rank: int, tokens: float) -> None:
+        """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``."""
+        if tokens > 0:
+            extra = self._commits.setdefault(instance, {})
+            extra[rank] = extra.get(rank, 0.0) + tokens
+
     def forget(self, instance: str) -> None:
         self._by_instance.pop(instance, None)
+        self._commits.pop(instance, None)
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

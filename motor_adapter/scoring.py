@@ -624,10 +624,13 @@ def motor_values(
     * ``DP`` (the Ascend source): Motor computes ``prefill_load_scale * max(0, isl -
       overlap_credit * min(DP, isl)) + load_weight * load``.  With ``T = cost -
       load_weight * load_estimate`` (Motor adds its own instance load, estimated by the summed
-      rank loads), ``DP = anchor - (T - T_best) / (prefill_load_scale * overlap_credit)``,
-      clamped to ``[0, isl]``: Motor's scores then differ as the costs do.  The anchor is the
-      best instance's real matched tokens (its log line shows the true hit), raised when needed
-      to keep every other instance at or above 0.
+      rank loads), ``DP = matched_best - (T - T_best) / (prefill_load_scale * overlap_credit)``,
+      at most ``isl``: Motor's scores then differ as the costs do.  The best instance shows its
+      real matched tokens (Motor's log line shows the true hit); another instance may get a
+      value below 0 - the Ascend source takes ``min(DP, isl)`` and ``max(0, isl - credit * DP)``,
+      so a negative value costs more than a miss, which is what keeps Motor's instance-load
+      term from outweighing a rank's hit and load (3.0.0b2 reads ``DP`` of the instance it
+      picked by ``GPU`` only: the best, never negative).
     * ``GPU`` (3.0.0b2: the instance with the largest ``GPU``, ignoring negative values, and no
       load term): the best instance its real matched tokens (at least 1, so a cold best still
       wins), every other instance its real matched tokens kept below that.
@@ -644,6 +647,7 @@ def motor_values(
     weight = cfg.load_weight
     targets = [s.cost - weight * s.load_estimate for s in scored]
     t_best = targets[best]
-    anchor = float(min(max(top.matched, max((t - t_best) / scale for t in targets)), isl))
-    dp = [round(min(max(anchor - (t - t_best) / scale, 0.0), float(isl))) for t in targets]
+    anchor = float(min(top.matched, isl))
+    dp = [round(min(anchor - (t - t_best) / scale, float(isl))) for t in targets]
+    dp[best] = round(anchor)
     return dp, gpu

@@ -472,15 +472,21 @@ class AdapterState:
                 scored.append(RankScored(found[0] if found else None, hit, matched, cost))
                 continue
             size = loads.dp_size
+            now = book.loads(loads, plan.streams[0][1])
             tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
-            chosen = score_ranks(tiers, loads.loads, list(range(size)), spread_start(spread, size), isl, params)
+            chosen = score_ranks(tiers, now, list(range(size)), spread_start(spread, size), isl, params)
             hit = ranks.get(chosen.rank)
-            scored.append(RankScored(chosen.rank, hit, chosen.matched, chosen.cost, sum(loads.loads), chosen.load))
+            scored.append(RankScored(chosen.rank, hit, chosen.matched, chosen.cost, sum(now), chosen.load))
         out: dict[str, dict[str, Any]] = {}
         observed: list[_Observed] = []
         if scored:
             best = pick_instance(scored, spread)
             dp_values, gpu_values = motor_values(scored, best, cfg, isl)
+            top = scored[best]
+            if top.rank is not None and book.get(plans[best].streams[0][1]) is not None:
+                # The answer makes Motor pick this instance and its dispatcher this rank: count
+                # the prompt's uncached part there until the instance's next report.
+                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched)
             for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
                 key = plan.keys[0]
                 entry = dp_entry(s.hit, s.rank, block_size)

@@ -122,11 +122,14 @@ def test_relative_guard_and_guard_off() -> None:
 
 
 @pytest.mark.unit
-def test_short_prompts_and_no_candidates_use_the_default_policy() -> None:
+def test_short_prompts_go_to_the_least_loaded_and_no_candidates_use_the_default_policy() -> None:
     d = CacheAwareDispatcher(4, BLOCK)
     _store(d, 1, _tokens(2 * BLOCK))
-    short = d.choose(_tokens(BLOCK - 1), [0.0] * 4)
-    assert (short.rank, short.reason) == (None, REASON_SHORT_PROMPT)
+    short = d.choose(_tokens(BLOCK - 1), [5.0, 0.0, 9.0, 3.0])
+    assert (short.rank, short.reason, short.matched_tokens) == (1, REASON_SHORT_PROMPT, 0)
+    prompt = _tokens(BLOCK - 1)
+    even = d.choose(prompt, [0.0] * 4)  # equal loads: the prompt's own start, not always rank 0
+    assert (even.rank, even.reason) == (spread_start(spread_key(prompt, BLOCK), 4), REASON_SHORT_PROMPT)
     none = d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[])
     assert (none.rank, none.reason) == (None, REASON_NO_CANDIDATES)
     assert d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[0, 2]).rank in (0, 2)
@@ -367,9 +370,12 @@ def test_real_controller_respects_explicit_ranks(sglang_run: dict[str, Any], met
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_real_controller_short_prompts_use_sglang_policy(sglang_run: dict[str, Any]) -> None:
-    assert sglang_run["round_robin"]["short"] == [0, 1, 2, 3]  # the untouched round-robin counter
+def test_real_controller_short_prompts_go_to_the_least_loaded_rank(sglang_run: dict[str, Any]) -> None:
+    # Equal loads (every request sees a new snapshot, which covers the commits): the same short
+    # prompt goes where its own key starts the scan, every time.
+    expected = spread_start(spread_key(list(range(BLOCK - 1)), BLOCK), RANKS)
     for method in METHODS:
+        assert sglang_run[method]["short"] == [expected] * 4
         assert sglang_run[method]["stats"]["short_prompt"] == 4
 
 

@@ -15,7 +15,8 @@ so the rank the adapter scored an instance by is the rank this dispatcher picks 
 the same loads.  Hot-spot guard: when the chosen rank's
 load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
 hotspot_relative * mean load)``, the least loaded candidate wins instead (reason
-``hotspot``).  A prompt shorter than one block gets no decision (SGLang's own policy).
+``hotspot``).  A prompt shorter than one block goes to the least loaded rank (reason
+``short_prompt``).
 
 The SGLang edge (the controller hooks and the fan-in feed) lives in
 :mod:`sglang_kvpub.engine.dispatch_hook`; this module is the pure policy and names no SGLang
@@ -69,11 +70,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Decision reasons (metrics keys).  ``rank`` is None for the last five: SGLang's policy runs.
+# Decision reasons (metrics keys).  ``rank`` is None for the last four: SGLang's policy runs.
 REASON_CACHE_HIT = "cache_hit"  # lowest cost, some rank holds a prefix
 REASON_NO_HIT = "no_hit"  # no rank holds block 0: lowest cost = least loaded
 REASON_HOTSPOT = "hotspot"  # guard: the cheapest rank was overloaded, least loaded instead
-REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block
+REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block: no hit anywhere, the least loaded rank
 REASON_NO_CANDIDATES = "no_candidates"  # no active rank with a load figure
 REASON_NO_TOKENS = "no_tokens"  # input_embeds / multimodal-only request: nothing to hash
 REASON_EXPLICIT = "explicit"  # routed_dp_rank set: SGLang routed it (counted by the hook)
@@ -295,12 +296,12 @@ class CacheAwareDispatcher:
         spread: int | None = None,
     ) -> DispatchDecision:
         isl = len(token_ids)
-        if isl < self.block_size:
-            return DispatchDecision(None, REASON_SHORT_PROMPT, isl)
         ranks = self._ranks(candidates, len(loads))
         if not ranks:
             return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
-        hits = self._hits(token_ids, lora_name)
+        short = isl < self.block_size
+        # A prompt shorter than one block holds no block anywhere: the least loaded rank.
+        hits = {} if short else self._hits(token_ids, lora_name)
         # Equal costs go to the first rank from a start the prompt fixes (the adapter computes
         # the same), so distinct cold prompts spread over the ranks and both halves agree.
         key = spread_key(token_ids, self.block_size) if spread is None else spread
@@ -308,7 +309,8 @@ class CacheAwareDispatcher:
             hits, loads, ranks, spread_start(key, len(ranks)), isl, self.params
         )
         npu, cpu, disk = hits.get(best, _NO_HIT)
-        return DispatchDecision(best, _SCORE_REASONS[reason], isl, matched, npu, cpu, disk, float(load), float(cost))
+        why = REASON_SHORT_PROMPT if short and reason != 2 else _SCORE_REASONS[reason]
+        return DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost))
 
     def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
         """The candidate ranks with a load figure (the caller's list when all have one)."""

@@ -10,9 +10,10 @@ the same hits and loads (the dispatcher's loads are fresher: it may do better). 
 
 the lowest wins (Motor's kv_cache_affinity "unified" cost, per rank); equal costs go to the
 first in the candidates rotated by :func:`spread_start` - a function of the prompt, so two
-processes agree on it and distinct prompts spread over the ranks.  Then the hot-spot guard:
-when the winner's load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
-hotspot_relative * mean load)`` the least loaded wins (reason ``hotspot``).
+processes agree on it and distinct prompts spread over the ranks.  Then the optional hot-spot
+guard (off by default): when the winner's load exceeds the least loaded candidate's by more
+than ``max(hotspot_spread, hotspot_relative * mean load)`` the least loaded wins (reason
+``hotspot``).
 
 Under attention-DP lock step the busiest rank paces every step, so a scheduler should
 minimise the resulting maximum rank load, ``max(max_{q != r} load_q, load_r + isl -
@@ -44,8 +45,12 @@ __all__ = [
     "spread_start",
 ]
 
-DEFAULT_HOTSPOT_SPREAD = 16384.0  # tokens
-DEFAULT_HOTSPOT_RELATIVE = 1.0  # x the candidates' mean load
+# The hot-spot guard is off by default: with load_weight 1 the cost already bounds a pile-up (a
+# rank holding a hit takes at most `matched` tokens more queue than the least loaded), and under
+# lock step the cost's choice minimises the resulting maximum rank load, which the guard can
+# only move away from (docs/dispatch.md).  Set both (tokens, x mean load) to turn it on.
+DEFAULT_HOTSPOT_SPREAD: float | None = None
+DEFAULT_HOTSPOT_RELATIVE: float | None = None
 REASON_CODES = ("cache_hit", "no_hit", "hotspot")  # RankScore.reason indexes this
 
 Hit = tuple[int, int, int]  # (npu, cpu, disk) blocks of one rank
@@ -89,11 +94,12 @@ def spread_key_of_local(last_local_hash: int) -> int:
 
 def spread_key(token_ids: Sequence[int], block_size: int) -> int:
     """The tie-break key of a prompt: the local hash (XXH3-64, the router's seed) of its last
-    full block; 0 for a prompt shorter than one block.  One hash of ``block_size`` ids: the
-    adapter has it from the query's block hashes, the dispatcher computes it per request."""
+    full block - one hash of ``block_size`` ids: the adapter has it from the query's block
+    hashes, the dispatcher computes it per request.  A prompt shorter than one block (which
+    Motor never asks about) hashes what it has."""
     blocks = len(token_ids) // block_size if block_size > 0 else 0
     if blocks <= 0:
-        return 0
+        return spread_key_of_local(hashing.local_block_hash(token_ids)) if len(token_ids) else 0
     end = blocks * block_size
     return spread_key_of_local(hashing.local_block_hash(token_ids[end - block_size : end]))
 
