@@ -88,6 +88,7 @@ import hashlib
 import heapq
 import json
 import math
+import random
 import struct
 import sys
 import time
@@ -237,6 +238,58 @@ def hit_ceiling(requests: Sequence[Request], page_size: int = PAGE_SIZE) -> floa
         total += req.isl
         seen.update(req.keys)
     return cached / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------------ agentic workload
+AGENTIC = "agentic_sessions"  # the "trace" name of the generated workload
+
+
+def agentic_records(
+    seed: int, sessions: int = 1200, system_prompts: int = 4, span_s: float = 3600.0, max_isl: int = 32768
+) -> list[dict[str, Any]]:
+    """Agentic multi-turn sessions, generated from ``seed``, as Mooncake records.
+
+    A few long shared system prompts (3-8k tokens, whole 512-token blocks; chosen with weights
+    1, 1/2, 1/3, ...), each session's history growing turn by turn (a user message or a tool
+    result, 30-3,000 tokens, then the answer, 50-600 tokens, joins the history), think time
+    between turns (the answer's decode at 40 tokens/s plus an exponential pause of mean 8 s),
+    sessions starting uniformly over ``span_s`` and so interleaved.  A session ends after
+    2-12 turns or at ``max_isl``.  Block ids follow the session's token stream in 512-token
+    slots: a turn shares every full page of the previous turn's prompt, as a real chat
+    template does when the history is only appended to."""
+    rng = random.Random(seed)
+    counter = iter(range(1 << 62))
+    system = []
+    for _ in range(system_prompts):
+        blocks = rng.choice([6, 8, 12, 16])  # x 512 tokens
+        system.append([next(counter) for _ in range(blocks)])
+    weights = [1.0 / (k + 1) for k in range(system_prompts)]
+    records: list[dict[str, Any]] = []
+    for _ in range(sessions):
+        blocks = list(rng.choices(system, weights)[0])
+        tokens = len(blocks) * TRACE_BLOCK_TOKENS
+        at = rng.uniform(0.0, span_s)
+        for turn in range(rng.randint(2, 12)):
+            added = rng.randint(200, 2000) if turn == 0 else rng.choice((rng.randint(30, 300), rng.randint(300, 3000)))
+            tokens = _extend(blocks, tokens, added, counter)
+            if tokens > max_isl:
+                break
+            output = rng.randint(50, 600)
+            records.append({"timestamp": int(at * 1000), "input_length": tokens, "output_length": output,
+                            "hash_ids": list(blocks)})  # fmt: skip
+            tokens = _extend(blocks, tokens, output, counter)
+            at += output / 40.0 + rng.expovariate(1.0 / 8.0)
+    records.sort(key=lambda r: r["timestamp"])
+    return records
+
+
+def _extend(blocks: list[int], tokens: int, added: int, counter: Any) -> int:
+    """Appends ``added`` tokens to a history of ``tokens`` covered by ``blocks`` (512-token slots):
+    a partly filled last slot keeps its id (its full pages are unchanged), new slots get new ids."""
+    total = tokens + added
+    while len(blocks) * TRACE_BLOCK_TOKENS < total:
+        blocks.append(next(counter))
+    return total
 
 
 # ------------------------------------------------------------------------------------------ token ids
@@ -871,6 +924,18 @@ def run(
     for r in results:
         if oracle and oracle["hit_ratio"] > 0:
             r["hit_ratio_vs_oracle"] = round(r["hit_ratio"] / oracle["hit_ratio"], 4)
+    for name in DEFAULT_POLICIES:  # what the targets compare the default path with, in its own line
+        r = by_name.get(name)
+        if r is None:
+            continue
+        others = [o for o in results if o["code"] == "shipped" and o["policy"] not in DEFAULT_POLICIES]
+        if others:
+            best = max(others, key=lambda o: o["hit_ratio"])
+            r["best_other_shipped"] = best["policy"]
+            r["best_other_shipped_hit_ratio"] = best["hit_ratio"]
+        if oracle:
+            r["oracle_ttft_p50_s"] = oracle["ttft_p50_s"]
+            r["oracle_ttft_p90_s"] = oracle["ttft_p90_s"]
     disp, rr_disp = by_name.get("fold_pinned_dispatch"), by_name.get("instance_affinity")
     if disp and rr_disp:
         disp["rr_dispatch_policy"] = "instance_affinity"
@@ -896,8 +961,12 @@ def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | Non
     names = [r["policy"] for r in results]
     xs = list(range(len(names)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax1.bar(xs, [r["hit_ratio"] for r in results], color="tab:blue")
-    ax1.set_title("prefix-cache hit ratio (cached / prompt tokens)")
+    colors = [
+        "tab:green" if r["policy"] in DEFAULT_POLICIES else "tab:gray" if r["code"] == "oracle" else "tab:blue"
+        for r in results
+    ]
+    ax1.bar(xs, [r["hit_ratio"] for r in results], color=colors)
+    ax1.set_title("prefix-cache hit ratio (cached / prompt tokens); green: the default path")
     top = max([r["hit_ratio"] for r in results] + [results[0].get("hit_ceiling") or 0.0])
     ax1.set_ylim(0, max(0.05, top * 1.15))
     for x, r in zip(xs, results, strict=True):
@@ -926,6 +995,13 @@ def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | Non
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake jsonl trace (default: %(default)s)")
+    p.add_argument(
+        "--workload",
+        choices=("trace", "agentic"),
+        default="trace",
+        help="trace: the --trace file; agentic: sessions generated from --seed (agentic_records)",
+    )
+    p.add_argument("--sessions", type=int, default=1200, help="agentic sessions (default %(default)s)")
     p.add_argument("--instances", type=int, default=2, help="prefill instances (default 2)")
     p.add_argument("--ranks", type=int, default=16, help="DP ranks per instance (default 16)")
     p.add_argument(
@@ -960,11 +1036,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         known = ", ".join(ALL_POLICIES + EXTRA_POLICIES)
         print(f"error: unknown policies {unknown}; choose from {known}", file=sys.stderr)
         return 2
-    try:
-        records = load_trace(args.trace, args.limit)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.workload == "agentic":
+        records = agentic_records(args.seed, args.sessions)[: args.limit]
+        name = AGENTIC
+    else:
+        try:
+            records = load_trace(args.trace, args.limit)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        name = args.trace.name
     cfg = SimConfig(
         instances=args.instances,
         ranks=args.ranks,
@@ -977,7 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     capacity = cfg.instances * cfg.ranks * cfg.tokens_per_s
     requests, scale = build_requests(records, capacity, args.load, cfg.page_size)
     extra = {
-        "trace": args.trace.name,
+        "trace": name,
         "instances": cfg.instances,
         "ranks": cfg.ranks,
         "capacity_pages": cfg.capacity_pages,
@@ -988,14 +1069,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hit_ceiling": round(hit_ceiling(requests, cfg.page_size), 6),
     }
     results = run(requests, cfg, policies, extra)
-    stem = args.trace.name.removesuffix(".jsonl")
+    stem = name.removesuffix(".jsonl")
     for r in results:
         print(json.dumps(with_targets(r)), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"routing_{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     if not args.no_plot:
         title = (
-            f"{args.trace.name}: {len(requests)} requests, {cfg.instances}x{cfg.ranks} ranks, "
+            f"{name}: {len(requests)} requests, {cfg.instances}x{cfg.ranks} ranks, "
             f"{cfg.capacity_pages} pages/rank, load {args.load}"
         )
         note = plot(results, title, args.out_dir / f"routing_{stem}.png")
