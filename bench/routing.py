@@ -1,7 +1,8 @@
 """Routing quality on the public Mooncake traces: a discrete-event simulation of P prefill instances x R DP ranks.
 
-    python bench/routing.py [--trace FILE] [--instances 2] [--ranks 16] [--capacity-pages 4096] [--load 0.6]
-                            [--limit N] [--policies a,b,...] [--seed 0] [--out-dir bench/results]
+    python bench/routing.py [--trace FILE | --workload agentic [--sessions 1200]] [--instances 2] [--ranks 16]
+                            [--capacity-pages 4096] [--load 0.6] [--limit N] [--policies a,b,...] [--seed 0]
+                            [--out-dir bench/results]
 
 Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "code", "hit_ratio", "prefill_tokens",
 "ttft_p50_s", "ttft_p90_s", "hit_ratio_vs_oracle", "targets", ...}`), writes them to
@@ -42,7 +43,19 @@ Each batch is encoded with wire.BatchEncoder (the fan-in's instance stream) and 
 (the router's subscriber), then applied as the stream subscriber applies it: PrefixIndex.apply_batch of the
 router's KvAffinity, and CacheAwareDispatcher.observe of the instance's dispatcher.
 
+Workloads: a Mooncake trace (--trace), or --workload agentic: agentic multi-turn sessions generated from --seed
+(agentic_records: a few long shared system prompts, each session's history growing turn by turn, think time
+between turns, many sessions interleaved), reported as trace "agentic_sessions".
+
 Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field "code": "shipped"):
+- default: what operators get. motor-kv-adapter's state (AdapterState.answer_keys: /query's answer, each instance
+  registered as Motor registers it, fed the ranks' events and, every load_report_s of simulated time, each
+  instance's rank-load message - wire.LoadReport through its codec - with the ranks' queued prefill tokens then);
+  Motor's unchanged kv_cache_affinity over that answer (a model of the Ascend source's code, motor_ascend_pick:
+  min(DP, isl), unified cost with the instance's load); the instance's real CacheAwareDispatcher picks the rank
+  with fresh loads.  Its JSON line also gives rank_agreement (how often the dispatcher took the rank the
+  adapter scored the picked instance by), best_other_shipped(_hit_ratio) and oracle_ttft_p50_s/p90_s (its targets).
+- default_motor_b2: the same with mindie-motor 3.0.0b2's reading of the answer (motor_b2_pick: the largest GPU).
 - dp0_only: the report's bug. motor_adapter's KvAffinity.select (Motor's kv_cache_affinity, unified cost over
   each instance's folded hit and its load) over an index fed ONLY rank 0's stream of each instance; rank
   round-robin inside.
@@ -962,7 +975,7 @@ def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | Non
     xs = list(range(len(names)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = [
-        "tab:green" if r["policy"] in DEFAULT_POLICIES else "tab:gray" if r["code"] == "oracle" else "tab:blue"
+        "tab:green" if r["policy"] in DEFAULT_POLICIES else "tab:gray" if r.get("code") == "oracle" else "tab:blue"
         for r in results
     ]
     ax1.bar(xs, [r["hit_ratio"] for r in results], color=colors)

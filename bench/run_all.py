@@ -365,15 +365,21 @@ def _report(args: argparse.Namespace, argv: Sequence[str] | None, results: list[
     }
 
 
-def _merged(previous_path: Path, report: dict[str, Any], wanted: set[str]) -> dict[str, Any]:
-    """A partial run (``--only``) merged into the previous full report: its benches replace
-    those of the same name, the others keep their figures; ``remeasured`` says which and how."""
+def _previous(path: Path) -> dict[str, Any] | None:
+    """The last complete full report at ``path`` (what an ``--only`` run merges into), or None."""
     try:
-        previous = json.loads(previous_path.read_text(encoding="utf-8"))
+        previous = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return report
-    if previous.get("quick") or previous.get("partial"):
-        return report
+        return None
+    if not isinstance(previous, dict) or previous.get("quick") or previous.get("partial"):
+        return None
+    return previous
+
+
+def _merged(previous: dict[str, Any], report: dict[str, Any], wanted: set[str]) -> dict[str, Any]:
+    """A partial run (``--only``) merged into the previous full report: its benches replace
+    those of the same name, the others keep their figures; ``remeasured`` says which and how
+    (``partial`` while the run goes on)."""
     fresh = {b["name"] for b in report["benches"]}
     benches = []
     for bench in BENCHES:  # BENCHES order; one entry per script and arguments
@@ -381,6 +387,7 @@ def _merged(previous_path: Path, report: dict[str, Any], wanted: set[str]) -> di
         benches += [b for b in pool if b["name"] == bench.name and b not in benches]
     merged = dict(previous)
     merged["benches"] = benches
+    merged["partial"] = report.get("partial", False)
     merged["remeasured"] = {
         "benches": sorted(wanted),
         "command": report["command"],
@@ -420,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown bench(es): {', '.join(sorted(unknown))}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = _previous(out_dir / "latest.json") if wanted and not args.quick else None
     results = []
     for bench in BENCHES:
         if wanted and bench.name not in wanted:
@@ -433,10 +441,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         results.append(result)
-        _write(out_dir, _report(args, argv, results, partial=True))  # a run cut short keeps what it measured
+        partial = _report(args, argv, results, partial=True)  # a run cut short keeps what it measured
+        _write(out_dir, _merged(previous, partial, wanted) if previous else partial)
     report = _report(args, argv, results, partial=False)
-    if wanted and not args.quick:
-        report = _merged(out_dir / "latest.json", report, wanted)
+    if previous:
+        report = _merged(previous, report, wanted)
     _write(out_dir, report)
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
     if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):
