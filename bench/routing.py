@@ -805,7 +805,7 @@ class Router:
         rank = feed.dispatchers[inst].choose(tokens, loads, spread=spread).rank
         if rank is not None:  # a prompt shorter than a block: Motor asks no /query, SGLang's policy runs
             feed.compared += 1
-            feed.agreed += int(rank == answer[picked]["dp_detail"]["0"]["engine_dp_rank"])
+            feed.agreed += int(rank == answer[picked]["dp_detail"]["0"]["scored_rank"])
         return base + rank if rank is not None else self._rr_rank(inst)
 
     # ----- the earlier models of the same policies (baselines)

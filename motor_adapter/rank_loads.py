@@ -22,6 +22,7 @@ from sglang_kvpub import wire
 __all__ = ["InstanceLoads", "RankLoadBook", "STALE_AFTER_S"]
 
 STALE_AFTER_S = 5.0  # the fan-in repeats unchanged figures every heartbeat (1 s by default)
+_COMMITTED_MAX = 65_536  # prompts committed between two reports of one instance (bounded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class RankLoadBook:
         # rank the answer made Motor pick): Motor's own committed-tokens idea, so a burst of
         # requests between two reports does not all score the same idle rank.
         self._commits: dict[str, dict[int, float]] = {}
+        self._committed: dict[str, set[int]] = {}  # prompts committed since the last report
         self._version = 0
         self.reports = 0
 
@@ -69,6 +71,7 @@ class RankLoadBook:
         self._version += 1
         self.reports += 1
         self._commits.pop(instance, None)  # the new figures include what was committed before them
+        self._committed.pop(instance, None)
         self._by_instance[instance] = InstanceLoads(
             time.monotonic() if now is None else now,
             report.ts,
@@ -90,18 +93,25 @@ class RankLoadBook:
             return None
         return found
 
-    def loads(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
+    def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
         extra = self._commits.get(instance)
         if not extra:
             return figures.loads
         return tuple(load + extra.get(rank, 0.0) for rank, load in enumerate(figures.loads))
 
-    def commit(self, instance: str, rank: int, tokens: float) -> None:
-        """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``."""
-        if tokens > 0:
-            extra = self._commits.setdefault(instance, {})
-            extra[rank] = extra.get(rank, 0.0) + tokens
+    def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
+        """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
+        prompt asked again before the next report (a retry, a tool polling ``/query``) is
+        committed once: Motor asks once per request."""
+        if tokens <= 0:
+            return
+        seen = self._committed.setdefault(instance, set())
+        if prompt in seen or len(seen) >= _COMMITTED_MAX:
+            return
+        seen.add(prompt)
+        extra = self._commits.setdefault(instance, {})
+        extra[rank] = extra.get(rank, 0.0) + tokens
 
     def forget(self, instance: str) -> None:
         self._by_instance.pop(instance, None)

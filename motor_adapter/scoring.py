@@ -632,13 +632,13 @@ def motor_values(
       term from outweighing a rank's hit and load (3.0.0b2 reads ``DP`` of the instance it
       picked by ``GPU`` only: the best, never negative).
     * ``GPU`` (3.0.0b2: the instance with the largest ``GPU``, ignoring negative values, and no
-      load term): the best instance its real matched tokens (at least 1, so a cold best still
-      wins), every other instance its real matched tokens kept below that.
+      load term): the best instance its real matched tokens (at least 1 when there are others,
+      so a cold best still wins), every other instance its real matched tokens kept below that.
     """
     n = len(scored)
     top = scored[best]
     gpu = [0] * n
-    gpu_best = max(top.matched, 1) if isl > 0 else 0
+    gpu_best = max(top.matched, 1) if n > 1 and isl > 0 else top.matched  # 1: a cold best beats the others
     for i, s in enumerate(scored):
         gpu[i] = gpu_best if i == best else max(0, min(s.matched, gpu_best - 1))
     scale = cfg.prefill_load_scale * cfg.overlap_credit

@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 from aiohttp import web
@@ -116,8 +116,8 @@ class _Prompt:
     block_size: int
     keys: list[int]  # shared by every hit of the cache: never mutated
     blocks: int
-    isl: int  # prompt tokens
-    spread: int  # the tie-break key (rank_cost.spread_key): the dispatcher computes the same
+    isl: Union[int, None] = None  # prompt tokens (None: the full blocks')
+    spread: int = 0  # the tie-break key (rank_cost.spread_key): the dispatcher computes the same
 
 
 class _PromptCache:

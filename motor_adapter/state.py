@@ -450,7 +450,8 @@ class AdapterState:
         load, ``rank_cost.score_ranks``, the dispatcher's own function - and answered in the
         values Motor's unchanged cost reads (:func:`scoring.motor_values`): ``DP`` for the
         Ascend source's cost, ``GPU`` for 3.0.0b2's largest-GPU rule.  ``dp_detail`` names the
-        rank (``engine_dp_rank``, its real tiers, ``rank_load``, ``rank_cost``).  Not remembered:
+        rank (``scored_rank``; ``engine_dp_rank`` and the tiers: its real hit, None without one;
+        ``rank_load``, ``rank_cost``).  Not remembered:
         the loads change every report."""
         assert view.affinity is not None
         cfg, shape = self.scoring_config(block_size), self.config.query_shape
@@ -472,7 +473,7 @@ class AdapterState:
                 scored.append(RankScored(found[0] if found else None, hit, matched, cost))
                 continue
             size = loads.dp_size
-            now = book.loads(loads, plan.streams[0][1])
+            now = book.current(loads, plan.streams[0][1])
             tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
             chosen = score_ranks(tiers, now, list(range(size)), spread_start(spread, size), isl, params)
             hit = ranks.get(chosen.rank)
@@ -486,10 +487,13 @@ class AdapterState:
             if top.rank is not None and book.get(plans[best].streams[0][1]) is not None:
                 # The answer makes Motor pick this instance and its dispatcher this rank: count
                 # the prompt's uncached part there until the instance's next report.
-                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched)
+                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched, keys[-1] if keys else spread)
             for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
                 key = plan.keys[0]
-                entry = dp_entry(s.hit, s.rank, block_size)
+                # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
+                # scored_rank the rank that would serve the request, hit or not.
+                entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
+                entry["scored_rank"] = s.rank
                 entry["rank_cost"] = round(s.cost, 1)
                 entry["rank_load"] = round(s.load, 1)
                 answer = instance_entry({key: entry}, cfg, block_size, shape)

@@ -276,12 +276,13 @@ def test_query_scores_the_rank_that_would_serve_and_metrics_show_it() -> None:
     answer = state.query("m", "default", 16, prompt)["default"]
     warm, cold = answer["vllm-prefill-0"], answer["vllm-prefill-1"]
     # Rank 3 holds all 128 tokens but has 5000 queued: an idle cold rank is cheaper (128 + 0).
-    assert warm["dp_detail"]["0"]["engine_dp_rank"] != 3 and warm["dp_detail"]["0"]["rank_cost"] == 128
+    assert warm["dp_detail"]["0"]["scored_rank"] != 3 and warm["dp_detail"]["0"]["rank_cost"] == 128
     assert warm["longest_matched"] == 128  # the real longest hit is still shown
     affinity.loads.apply("tcp://10.0.0.0:5557", idle)
     answer = state.query("m", "default", 16, prompt)["default"]
     warm, cold = answer["vllm-prefill-0"], answer["vllm-prefill-1"]
-    assert warm["dp_detail"]["0"]["engine_dp_rank"] == 3 and warm["DP"]["0"] == 128 and warm["GPU"] == 128
+    assert warm["dp_detail"]["0"]["scored_rank"] == 3 and warm["DP"]["0"] == 128 and warm["GPU"] == 128
+    assert cold["dp_detail"]["0"]["engine_dp_rank"] is None  # no hit: no rank named for the figures
     assert cold["GPU"] < warm["GPU"] and cold["DP"]["0"] < warm["DP"]["0"]
     text = state.render_metrics()
     for name in RANK_METRICS:

@@ -6,7 +6,7 @@ by turn) over 2 instances x 4 ranks, driving the shipped halves only: the adapte
 one ``CacheAwareDispatcher`` per instance.  Before each request every instance's rank loads go
 out as the fan-in sends them (``wire.LoadReport``, encoded and decoded), so both halves see the
 same loads and the same KV events.  For every instance in every answer, the rank the adapter
-scored it by (``dp_detail.engine_dp_rank``) must be the rank its dispatcher chooses; the
+scored it by (``dp_detail.scored_rank``) must be the rank its dispatcher chooses; the
 request then runs on the instance Motor picks and its blocks are published to both halves.
 """
 
@@ -128,7 +128,7 @@ def test_adapter_and_dispatcher_pick_the_same_rank_on_one_replay() -> None:
         cluster.report_loads(float(n))
         answer = cluster.state.query(MODEL, "default", BS, tokens)["default"]
         for i in range(INSTANCES):
-            scored = answer[f"vllm-prefill-{i}"]["dp_detail"]["0"]["engine_dp_rank"]
+            scored = answer[f"vllm-prefill-{i}"]["dp_detail"]["0"]["scored_rank"]
             chosen = cluster.dispatchers[i].choose(tokens, list(cluster.loads[i]))
             compared += 1
             agreed += int(chosen.rank == scored)
@@ -154,7 +154,7 @@ def test_cold_prompts_at_equal_loads_spread_and_agree() -> None:
         tokens = [rng.randrange(1, 50_000) for _ in range(3 * BS)]
         cluster.report_loads(0.0)  # fresh figures: no commit of an earlier answer counts
         entry = cluster.state.query(MODEL, "default", BS, tokens)["default"]["vllm-prefill-0"]
-        rank = entry["dp_detail"]["0"]["engine_dp_rank"]
+        rank = entry["dp_detail"]["0"]["scored_rank"]
         assert rank == cluster.dispatchers[0].choose(tokens, [0.0] * RANKS).rank
         ranks[rank] += 1
     assert set(ranks) == set(range(RANKS))
