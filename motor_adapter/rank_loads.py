@@ -98,7 +98,11 @@ class RankLoadBook:
         extra = self._commits.get(instance)
         if not extra:
             return figures.loads
-        return tuple(load + extra.get(rank, 0.0) for rank, load in enumerate(figures.loads))
+        loads = list(figures.loads)
+        for rank, tokens in extra.items():
+            if rank < len(loads):
+                loads[rank] += tokens
+        return tuple(loads)
 
     def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
         """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
