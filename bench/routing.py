@@ -1,7 +1,8 @@
 """Routing quality on the public Mooncake traces: a discrete-event simulation of P prefill instances x R DP ranks.
 
-    python bench/routing.py [--trace FILE] [--instances 2] [--ranks 16] [--capacity-pages 4096] [--load 0.6]
-                            [--limit N] [--policies a,b,...] [--seed 0] [--out-dir bench/results]
+    python bench/routing.py [--trace FILE | --workload agentic [--sessions 1200]] [--instances 2] [--ranks 16]
+                            [--capacity-pages 4096] [--load 0.6] [--limit N] [--policies a,b,...] [--seed 0]
+                            [--out-dir bench/results]
 
 Prints one JSON line per policy (`{"bench": "routing", "trace", "policy", "code", "hit_ratio", "prefill_tokens",
 "ttft_p50_s", "ttft_p90_s", "hit_ratio_vs_oracle", "targets", ...}`), writes them to
@@ -42,7 +43,19 @@ Each batch is encoded with wire.BatchEncoder (the fan-in's instance stream) and 
 (the router's subscriber), then applied as the stream subscriber applies it: PrefixIndex.apply_batch of the
 router's KvAffinity, and CacheAwareDispatcher.observe of the instance's dispatcher.
 
+Workloads: a Mooncake trace (--trace), or --workload agentic: agentic multi-turn sessions generated from --seed
+(agentic_records: a few long shared system prompts, each session's history growing turn by turn, think time
+between turns, many sessions interleaved), reported as trace "agentic_sessions".
+
 Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field "code": "shipped"):
+- default: what operators get. motor-kv-adapter's state (AdapterState.answer_keys: /query's answer, each instance
+  registered as Motor registers it, fed the ranks' events and, every load_report_s of simulated time, each
+  instance's rank-load message - wire.LoadReport through its codec - with the ranks' queued prefill tokens then);
+  Motor's unchanged kv_cache_affinity over that answer (a model of the Ascend source's code, motor_ascend_pick:
+  min(DP, isl), unified cost with the instance's load); the instance's real CacheAwareDispatcher picks the rank
+  with fresh loads.  Its JSON line also gives rank_agreement (how often the dispatcher took the rank the
+  adapter scored the picked instance by), best_other_shipped(_hit_ratio) and oracle_ttft_p50_s/p90_s (its targets).
+- default_motor_b2: the same with mindie-motor 3.0.0b2's reading of the answer (motor_b2_pick: the largest GPU).
 - dp0_only: the report's bug. motor_adapter's KvAffinity.select (Motor's kv_cache_affinity, unified cost over
   each instance's folded hit and its load) over an index fed ONLY rank 0's stream of each instance; rank
   round-robin inside.
@@ -88,6 +101,7 @@ import hashlib
 import heapq
 import json
 import math
+import random
 import struct
 import sys
 import time
@@ -104,9 +118,15 @@ if str(_HERE.parent) not in sys.path:  # bench/ is a folder of scripts: the repo
 
 from bench._common import MOONCAKE_TRACES, with_targets  # noqa: E402
 from motor_adapter.affinity import KvAffinity  # noqa: E402
+from motor_adapter.registration import parse_registration  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
+from motor_adapter.settings import ServiceConfig  # noqa: E402
+from motor_adapter.state import AdapterState  # noqa: E402
 from sglang_kvpub import wire  # noqa: E402
+from sglang_kvpub.config import PluginConfig  # noqa: E402
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
+from sglang_kvpub.core.hashing import sequence_keys  # noqa: E402
+from sglang_kvpub.core.rank_cost import spread_key  # noqa: E402
 from sglang_kvpub.core.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
@@ -117,6 +137,8 @@ OVERLAP_CREDIT = 1.0
 PREFILL_LOAD_SCALE = 1.0
 LOAD_WEIGHT = 1.0
 ALL_POLICIES = (
+    "default",
+    "default_motor_b2",
     "round_robin",
     "load_balance",
     "dp0_only",
@@ -131,7 +153,21 @@ ALL_POLICIES = (
 )
 # Policies that run the shipped code (motor_adapter's KvAffinity, sglang_kvpub's dispatcher);
 # the model_* policies are the earlier models of the same ideas, kept as baselines.
-SHIPPED_POLICIES = ("dp0_only", "instance_affinity", "fold_pinned", "fold_pinned_dispatch")
+SHIPPED_POLICIES = (
+    "default",
+    "default_motor_b2",
+    "dp0_only",
+    "instance_affinity",
+    "fold_pinned",
+    "fold_pinned_dispatch",
+)
+# What operators get by default: Motor's unchanged kv_cache_affinity over the adapter's /query
+# answer (which scores each instance by the rank that would serve the request, from the rank
+# loads on the stream), then the plugin's cache-aware dispatcher inside the instance.
+DEFAULT_POLICIES = ("default", "default_motor_b2")
+MODEL = "bench-model"
+TENANT = "default"
+LOAD_REPORT_S = PluginConfig().load_report_s  # the fan-in's rank-load message period (shipped default)
 EXTRA_POLICIES = ("oracle_max_prefix",)  # diagnostics, only when named in --policies
 REPO_ROOT = _HERE.parent
 DEFAULT_TRACE = MOONCAKE_TRACES / "conversation_trace.jsonl"
@@ -217,6 +253,58 @@ def hit_ceiling(requests: Sequence[Request], page_size: int = PAGE_SIZE) -> floa
     return cached / total if total else 0.0
 
 
+# ------------------------------------------------------------------------------------------ agentic workload
+AGENTIC = "agentic_sessions"  # the "trace" name of the generated workload
+
+
+def agentic_records(
+    seed: int, sessions: int = 1200, system_prompts: int = 4, span_s: float = 3600.0, max_isl: int = 32768
+) -> list[dict[str, Any]]:
+    """Agentic multi-turn sessions, generated from ``seed``, as Mooncake records.
+
+    A few long shared system prompts (3-8k tokens, whole 512-token blocks; chosen with weights
+    1, 1/2, 1/3, ...), each session's history growing turn by turn (a user message or a tool
+    result, 30-3,000 tokens, then the answer, 50-600 tokens, joins the history), think time
+    between turns (the answer's decode at 40 tokens/s plus an exponential pause of mean 8 s),
+    sessions starting uniformly over ``span_s`` and so interleaved.  A session ends after
+    2-12 turns or at ``max_isl``.  Block ids follow the session's token stream in 512-token
+    slots: a turn shares every full page of the previous turn's prompt, as a real chat
+    template does when the history is only appended to."""
+    rng = random.Random(seed)
+    counter = iter(range(1 << 62))
+    system = []
+    for _ in range(system_prompts):
+        blocks = rng.choice([6, 8, 12, 16])  # x 512 tokens
+        system.append([next(counter) for _ in range(blocks)])
+    weights = [1.0 / (k + 1) for k in range(system_prompts)]
+    records: list[dict[str, Any]] = []
+    for _ in range(sessions):
+        blocks = list(rng.choices(system, weights)[0])
+        tokens = len(blocks) * TRACE_BLOCK_TOKENS
+        at = rng.uniform(0.0, span_s)
+        for turn in range(rng.randint(2, 12)):
+            added = rng.randint(200, 2000) if turn == 0 else rng.choice((rng.randint(30, 300), rng.randint(300, 3000)))
+            tokens = _extend(blocks, tokens, added, counter)
+            if tokens > max_isl:
+                break
+            output = rng.randint(50, 600)
+            records.append({"timestamp": int(at * 1000), "input_length": tokens, "output_length": output,
+                            "hash_ids": list(blocks)})  # fmt: skip
+            tokens = _extend(blocks, tokens, output, counter)
+            at += output / 40.0 + rng.expovariate(1.0 / 8.0)
+    records.sort(key=lambda r: r["timestamp"])
+    return records
+
+
+def _extend(blocks: list[int], tokens: int, added: int, counter: Any) -> int:
+    """Appends ``added`` tokens to a history of ``tokens`` covered by ``blocks`` (512-token slots):
+    a partly filled last slot keeps its id (its full pages are unchanged), new slots get new ids."""
+    total = tokens + added
+    while len(blocks) * TRACE_BLOCK_TOKENS < total:
+        blocks.append(next(counter))
+    return total
+
+
 # ------------------------------------------------------------------------------------------ token ids
 _PAGE_BYTES: dict[tuple[int, int, int], bytes] = {}
 _PAGE_BYTES_MAX = 200_000  # ~100 MB of 128-token pages; rebuilt on demand past that
@@ -299,15 +387,61 @@ class ShippedFeed:
     bug), and ``CacheAwareDispatcher.observe`` of each instance's dispatcher (the fan-in's feed).
     """
 
-    def __init__(self, instances: int, ranks: int, page_size: int, *, router: bool, dp0: bool, dispatch: bool) -> None:
+    def __init__(
+        self,
+        instances: int,
+        ranks: int,
+        page_size: int,
+        *,
+        router: bool,
+        dp0: bool,
+        dispatch: bool,
+        adapter: bool = False,
+    ) -> None:
         cfg = KvAffinityConfig(block_size=page_size)
+        self.page_size = page_size
         self.names = [f"instance-{i}" for i in range(instances)]
         self.encoder = wire.BatchEncoder()
         self.decoder = wire.BatchDecoder()
+        self.loads_codec = wire.LoadReportCodec()  # the fan-in's encoder and the subscriber's decoder
         self.router = self._affinity(cfg) if router else None
         self.dp0 = self._affinity(cfg) if dp0 else None
         self.dispatchers = [CacheAwareDispatcher(ranks, page_size) for _ in range(instances)] if dispatch else []
+        self.adapter = self._adapter(cfg) if adapter else None
         self.batches = 0
+        self.load_reports = 0
+        self.agreed = self.compared = 0  # dispatcher's rank == the rank the adapter scored the instance by
+
+    def _adapter(self, cfg: KvAffinityConfig) -> AdapterState:
+        """``motor-kv-adapter serve``'s state, each instance registered as Motor registers it
+        (one endpoint, dp 0; its stream carries every rank)."""
+        state = AdapterState(
+            ServiceConfig(kv_affinity=cfg),
+            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_NoStream),
+        )
+        for i in range(len(self.names)):
+            body = {"instance_id": f"vllm-prefill-{i}", "endpoint": self.stream(i), "type": "vLLM"}
+            state.register(parse_registration({**body, "modelname": MODEL, "block_size": cfg.block_size, "dp_rank": 0}))
+        return state
+
+    @staticmethod
+    def stream(instance: int) -> str:
+        return f"tcp://10.0.0.{instance + 1}:5557"
+
+    def adapter_affinity(self) -> KvAffinity:
+        assert self.adapter is not None
+        affinity = self.adapter.affinity(MODEL, TENANT, self.page_size)
+        assert affinity is not None
+        return affinity
+
+    def report_loads(self, instance: int, loads: Sequence[float], ts: float) -> None:
+        """One rank-load message of an instance: encoded as the fan-in encodes it, decoded as the
+        adapter's subscriber decodes it, applied to the adapter's load book."""
+        figures = wire.RankLoads([wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)], {}, LOAD_REPORT_S)
+        report = self.loads_codec.decode(self.loads_codec.encode(ts, figures))
+        assert report is not None
+        self.adapter_affinity().loads.apply(self.stream(instance), report)
+        self.load_reports += 1
 
     def _affinity(self, cfg: KvAffinityConfig) -> KvAffinity:
         affinity = KvAffinity(cfg, subscriber_factory=_NoStream)
@@ -328,11 +462,15 @@ class ShippedFeed:
             self.dp0.index.apply_batch(name, batch)
         if self.dispatchers:
             self.dispatchers[instance].observe(batch, rank)
+        if self.adapter is not None:
+            self.adapter_affinity().index.apply_batch(self.stream(instance), batch)
 
     def close(self) -> None:
         for affinity in (self.router, self.dp0):
             if affinity is not None:
                 affinity.close()
+        if self.adapter is not None:
+            self.adapter.close()
 
 
 # ------------------------------------------------------------------------------------------ cluster
@@ -472,6 +610,44 @@ class Cluster:
 Policy = Callable[[Cluster, Request], int]  # -> flat rank index (instance * ranks + rank)
 
 
+MotorPick = Callable[[dict[str, Any], list[tuple[str, float]], int, KvAffinityConfig], str]
+
+
+def motor_ascend_pick(
+    answer: dict[str, Any], candidates: list[tuple[str, float]], isl: int, cfg: KvAffinityConfig
+) -> str:
+    """The Ascend source's kv_cache_affinity, unchanged (a model of Motor's code, read from it:
+    tests/fixtures/motor_versions.json): per listed instance ``matched = min(DP["0"], isl)``,
+    ``prefill_load_scale * max(0, isl - overlap_credit * matched) + load_weight * load``, the
+    lowest first (a stable sort: candidate order on ties)."""
+    scored = []
+    for name, load in candidates:
+        entry = answer.get(name)
+        if entry is None:
+            continue
+        matched = min(int(entry["DP"].get("0", 0)), isl)
+        cost = cfg.prefill_load_scale * max(0.0, isl - cfg.overlap_credit * matched) + cfg.load_weight * load
+        scored.append((cost, name))
+    if not scored:  # nothing listed: load_balance
+        return min(candidates, key=lambda c: c[1])[0]
+    return min(scored, key=lambda s: s[0])[1]
+
+
+def motor_b2_pick(answer: dict[str, Any], candidates: list[tuple[str, float]], isl: int, cfg: KvAffinityConfig) -> str:
+    """mindie-motor 3.0.0b2's kv_cache_affinity, unchanged (a model of its code): the last
+    listed instance whose int ``GPU`` is not below the largest so far (starting at 0), then its
+    endpoint by ``DP``; nothing selected: load_balance."""
+    best_gpu, picked = 0, None
+    for name, _ in candidates:
+        entry = answer.get(name)
+        if entry is None or entry.get("GPU", 0) < best_gpu:
+            continue
+        best_gpu, picked = entry.get("GPU", 0), name
+    if picked is None or answer[picked].get("DP", {}).get("0", 0) < 0:
+        return min(candidates, key=lambda c: c[1])[0]
+    return picked
+
+
 def unified_cost(isl: int, matched: int, load: float) -> float:
     """Motor's kv_cache_affinity unified score (lower wins)."""
     prefill_cost = max(0.0, isl - OVERLAP_CREDIT * matched)
@@ -499,6 +675,8 @@ class Router:
 
     def policy(self, name: str) -> Policy:
         table: dict[str, Policy] = {
+            "default": self.default,
+            "default_motor_b2": self.default_motor_b2,
             "round_robin": self.round_robin,
             "load_balance": self.load_balance,
             "dp0_only": self.dp0_only,
@@ -600,6 +778,36 @@ class Router:
         rank = self.feed.dispatchers[inst].choose(tokens, loads).rank
         return base + rank if rank is not None else self._rr_rank(inst)
 
+    def default(self, cl: Cluster, req: Request) -> int:
+        """What operators get: Motor (the Ascend source's unchanged cost) over the adapter's
+        ``/query`` answer picks the instance, the instance's dispatcher the rank."""
+        return self._default(cl, req, motor_ascend_pick)
+
+    def default_motor_b2(self, cl: Cluster, req: Request) -> int:
+        """The same with mindie-motor 3.0.0b2's reading of the answer (the largest ``GPU``)."""
+        return self._default(cl, req, motor_b2_pick)
+
+    def _default(self, cl: Cluster, req: Request, motor: MotorPick) -> int:
+        feed = self.feed
+        assert feed is not None and feed.adapter is not None and feed.dispatchers
+        tokens = request_tokens(req, cl.page_size)
+        spread = spread_key(tokens, cl.page_size)
+        keys = sequence_keys(tokens, cl.page_size)
+        answer = feed.adapter.answer_keys(
+            MODEL, TENANT, cl.page_size, keys, len(tokens) // cl.page_size, time.perf_counter(), len(tokens), spread
+        ).body[TENANT]
+        order = self._rotation(self.n_inst)  # Motor's instance order: it keeps it on ties
+        candidates = [(f"vllm-prefill-{i}", cl.instance_load(i)) for i in order]
+        picked = motor(answer, candidates, len(tokens), KvAffinityConfig(block_size=cl.page_size))
+        inst = int(picked.rsplit("-", 1)[1])
+        base = inst * self.n_ranks
+        loads = [cl.rank_load(base + r) for r in range(self.n_ranks)]
+        rank = feed.dispatchers[inst].choose(tokens, loads, spread=spread).rank
+        if rank is not None:  # a prompt shorter than a block: Motor asks no /query, SGLang's policy runs
+            feed.compared += 1
+            feed.agreed += int(rank == answer[picked]["dp_detail"]["0"]["scored_rank"])
+        return base + rank if rank is not None else self._rr_rank(inst)
+
     # ----- the earlier models of the same policies (baselines)
     def model_dp0_only(self, cl: Cluster, req: Request) -> int:
         return self._rr_rank(self._best_instance(cl, req, lambda i: cl.matched_tokens(i * self.n_ranks, req)))
@@ -641,6 +849,7 @@ class SimConfig:
     tokens_per_s: float = DEFAULT_TOKENS_PER_S
     hotspot_tokens: float | None = None
     seed: int = 0
+    load_report_s: float = LOAD_REPORT_S
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -664,14 +873,27 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
             cfg.page_size,
             router=policy_name != "dp0_only",
             dp0=policy_name == "dp0_only",
-            dispatch=policy_name == "fold_pinned_dispatch",
+            dispatch=policy_name in ("fold_pinned_dispatch", *DEFAULT_POLICIES),
+            adapter=policy_name in DEFAULT_POLICIES,
         )
     cl.feed = feed
     router = Router(cfg.instances, cfg.ranks, cfg.hotspot_tokens, cfg.seed, feed=feed)
     policy = router.policy(policy_name)
     t0 = time.perf_counter()
+    period = cfg.load_report_s
+    reported = -1.0
     try:
         for req in requests:
+            if feed is not None and feed.adapter is not None:
+                # The adapter's view at this arrival: the fan-in's last rank-load message, sent at
+                # the last multiple of the period (each instance's ranks' queued prefill tokens then).
+                at = math.floor(req.arrival_s / period) * period
+                if at > reported:
+                    cl.advance(at)
+                    for inst in range(cfg.instances):
+                        base = inst * cfg.ranks
+                        feed.report_loads(inst, [cl.rank_load(base + r) for r in range(cfg.ranks)], at)
+                    reported = at
             cl.advance(req.arrival_s)
             cl.dispatch(req, policy(cl, req))
         cl.drain()
@@ -697,6 +919,11 @@ def simulate(policy_name: str, requests: Sequence[Request], cfg: SimConfig) -> d
         "sim_wall_s": round(wall, 3),
         "code": "shipped" if feed is not None else ("oracle" if policy_name.startswith("oracle") else "model"),
         "wire_batches": feed.batches if feed is not None else 0,
+        **(
+            {"load_reports": feed.load_reports, "rank_agreement": round(feed.agreed / feed.compared, 4)}
+            if feed is not None and feed.compared
+            else {}
+        ),
     }
 
 
@@ -710,6 +937,18 @@ def run(
     for r in results:
         if oracle and oracle["hit_ratio"] > 0:
             r["hit_ratio_vs_oracle"] = round(r["hit_ratio"] / oracle["hit_ratio"], 4)
+    for name in DEFAULT_POLICIES:  # what the targets compare the default path with, in its own line
+        r = by_name.get(name)
+        if r is None:
+            continue
+        others = [o for o in results if o["code"] == "shipped" and o["policy"] not in DEFAULT_POLICIES]
+        if others:
+            best = max(others, key=lambda o: o["hit_ratio"])
+            r["best_other_shipped"] = best["policy"]
+            r["best_other_shipped_hit_ratio"] = best["hit_ratio"]
+        if oracle:
+            r["oracle_ttft_p50_s"] = oracle["ttft_p50_s"]
+            r["oracle_ttft_p90_s"] = oracle["ttft_p90_s"]
     disp, rr_disp = by_name.get("fold_pinned_dispatch"), by_name.get("instance_affinity")
     if disp and rr_disp:
         disp["rr_dispatch_policy"] = "instance_affinity"
@@ -735,8 +974,12 @@ def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | Non
     names = [r["policy"] for r in results]
     xs = list(range(len(names)))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    ax1.bar(xs, [r["hit_ratio"] for r in results], color="tab:blue")
-    ax1.set_title("prefix-cache hit ratio (cached / prompt tokens)")
+    colors = [
+        "tab:green" if r["policy"] in DEFAULT_POLICIES else "tab:gray" if r.get("code") == "oracle" else "tab:blue"
+        for r in results
+    ]
+    ax1.bar(xs, [r["hit_ratio"] for r in results], color=colors)
+    ax1.set_title("prefix-cache hit ratio (cached / prompt tokens); green: the default path")
     top = max([r["hit_ratio"] for r in results] + [results[0].get("hit_ceiling") or 0.0])
     ax1.set_ylim(0, max(0.05, top * 1.15))
     for x, r in zip(xs, results, strict=True):
@@ -765,6 +1008,13 @@ def plot(results: Sequence[dict[str, Any]], title: str, path: Path) -> str | Non
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake jsonl trace (default: %(default)s)")
+    p.add_argument(
+        "--workload",
+        choices=("trace", "agentic"),
+        default="trace",
+        help="trace: the --trace file; agentic: sessions generated from --seed (agentic_records)",
+    )
+    p.add_argument("--sessions", type=int, default=1200, help="agentic sessions (default %(default)s)")
     p.add_argument("--instances", type=int, default=2, help="prefill instances (default 2)")
     p.add_argument("--ranks", type=int, default=16, help="DP ranks per instance (default 16)")
     p.add_argument(
@@ -799,11 +1049,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         known = ", ".join(ALL_POLICIES + EXTRA_POLICIES)
         print(f"error: unknown policies {unknown}; choose from {known}", file=sys.stderr)
         return 2
-    try:
-        records = load_trace(args.trace, args.limit)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    if args.workload == "agentic":
+        records = agentic_records(args.seed, args.sessions)[: args.limit]
+        name = AGENTIC
+    else:
+        try:
+            records = load_trace(args.trace, args.limit)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        name = args.trace.name
     cfg = SimConfig(
         instances=args.instances,
         ranks=args.ranks,
@@ -816,7 +1071,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     capacity = cfg.instances * cfg.ranks * cfg.tokens_per_s
     requests, scale = build_requests(records, capacity, args.load, cfg.page_size)
     extra = {
-        "trace": args.trace.name,
+        "trace": name,
         "instances": cfg.instances,
         "ranks": cfg.ranks,
         "capacity_pages": cfg.capacity_pages,
@@ -827,14 +1082,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hit_ceiling": round(hit_ceiling(requests, cfg.page_size), 6),
     }
     results = run(requests, cfg, policies, extra)
-    stem = args.trace.name.removesuffix(".jsonl")
+    stem = name.removesuffix(".jsonl")
     for r in results:
         print(json.dumps(with_targets(r)), flush=True)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / f"routing_{stem}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
     if not args.no_plot:
         title = (
-            f"{args.trace.name}: {len(requests)} requests, {cfg.instances}x{cfg.ranks} ranks, "
+            f"{name}: {len(requests)} requests, {cfg.instances}x{cfg.ranks} ranks, "
             f"{cfg.capacity_pages} pages/rank, load {args.load}"
         )
         note = plot(results, title, args.out_dir / f"routing_{stem}.png")

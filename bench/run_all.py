@@ -80,6 +80,13 @@ BENCHES: tuple[Bench, ...] = (
         args=("--trace", str(TRACES / "synthetic_trace.jsonl")),
         quick=(("--limit", "3000"), ("--no-plot", None)),
     ),
+    # Agentic multi-turn sessions generated from a seed (issue 33): no input file.
+    Bench(
+        "routing",
+        "bench/routing.py",
+        args=("--workload", "agentic", "--seed", "0"),
+        quick=(("--sessions", "300"), ("--no-plot", None)),
+    ),
 )
 
 
@@ -273,14 +280,15 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     block = [
         README_START,
         f"Measured by `{report['command']}` on {report['generated']} on this project's CI machine kind "
-        f"({report['machine']['cpus']} CPUs, no accelerator{_load_note(report)}); every figure of every bench is in "
-        "[bench/results/latest.md](bench/results/latest.md).",
+        f"({report['machine']['cpus']} CPUs, no accelerator{_load_note(report)}){_remeasured_note(report)}; "
+        "every figure of every bench is in [bench/results/latest.md](bench/results/latest.md).",
         "",
         *target_rows(report),
         "",
-        "Routing quality on the Mooncake traces (2 prefill instances x 16 DP ranks, LRU per rank; `code`: "
-        "`shipped` runs motor_adapter's KvAffinity and sglang_kvpub's dispatcher fed through the wire codec, "
-        "`model` is a baseline model):",
+        "Routing quality on the Mooncake traces and the generated agentic sessions (2 prefill instances x 16 "
+        "DP ranks, LRU per rank; `code`: `shipped` runs motor_adapter's adapter state or KvAffinity and "
+        "sglang_kvpub's dispatcher fed through the wire codec, `model` is a baseline model; `default` is what "
+        "operators get: Motor's unchanged cost over the adapter's `/query` answer, then the plugin's dispatcher):",
         "",
         *routing_rows(report),
         README_END,
@@ -289,6 +297,14 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     tail = rest.split(README_END, 1)[1]
     readme.write_text(head + "\n".join(block) + tail, encoding="utf-8")
     return True
+
+
+def _remeasured_note(report: dict[str, Any]) -> str:
+    again = report.get("remeasured")
+    if not again:
+        return ""
+    names = ", ".join(f"`{name}`" for name in again["benches"])
+    return f"; the {names} rows re-measured by `{again['command']}` on {again['generated']}"
 
 
 def _load_note(report: dict[str, Any]) -> str:
@@ -300,7 +316,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Benchmark results",
         "",
-        f"Made by `{report['command']}` on {report['generated']} "
+        f"Made by `{report['command']}` on {report['generated']}{_remeasured_note(report)} "
         f"({report['machine']['cpus']} CPUs, Python {report['machine']['python']}"
         f"{_load_note(report)}{', quick mode: scaled down' if report['quick'] else ''}"
         f"{', PARTIAL: the run was cut short' if report.get('partial') else ''}).",
@@ -315,6 +331,8 @@ def markdown(report: dict[str, Any]) -> str:
         title = bench["name"]
         if bench.get("command") and "--trace" in bench["command"]:
             title += " (" + Path(bench["command"].split("--trace", 1)[1].split()[0]).stem + ")"
+        elif bench.get("command") and "--workload agentic" in bench["command"]:
+            title += " (agentic sessions)"
         lines.append(f"## {title}")
         lines.append("")
         if bench["status"] == "skipped":
@@ -344,6 +362,38 @@ def _report(args: argparse.Namespace, argv: Sequence[str] | None, results: list[
         },
         "benches": results,
     }
+
+
+def _previous(path: Path) -> dict[str, Any] | None:
+    """The last complete full report at ``path`` (what an ``--only`` run merges into), or None."""
+    try:
+        previous = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(previous, dict) or previous.get("quick") or previous.get("partial"):
+        return None
+    return previous
+
+
+def _merged(previous: dict[str, Any], report: dict[str, Any], wanted: set[str]) -> dict[str, Any]:
+    """A partial run (``--only``) merged into the previous full report: its benches replace
+    those of the same name, the others keep their figures; ``remeasured`` says which and how
+    (``partial`` while the run goes on)."""
+    fresh = {b["name"] for b in report["benches"]}
+    benches = []
+    for bench in BENCHES:  # BENCHES order; one entry per script and arguments
+        pool = report["benches"] if bench.name in fresh else previous.get("benches", [])
+        benches += [b for b in pool if b["name"] == bench.name and b not in benches]
+    merged = dict(previous)
+    merged["benches"] = benches
+    merged["partial"] = report.get("partial", False)
+    merged["remeasured"] = {
+        "benches": sorted(wanted),
+        "command": report["command"],
+        "generated": report["generated"],
+        "machine": report["machine"],
+    }
+    return merged
 
 
 def _write(out_dir: Path, report: dict[str, Any]) -> None:
@@ -376,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown bench(es): {', '.join(sorted(unknown))}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = _previous(out_dir / "latest.json") if wanted and not args.quick else None
     results = []
     for bench in BENCHES:
         if wanted and bench.name not in wanted:
@@ -389,8 +440,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         results.append(result)
-        _write(out_dir, _report(args, argv, results, partial=True))  # a run cut short keeps what it measured
+        partial = _report(args, argv, results, partial=True)  # a run cut short keeps what it measured
+        _write(out_dir, _merged(previous, partial, wanted) if previous else partial)
     report = _report(args, argv, results, partial=False)
+    if previous:
+        report = _merged(previous, report, wanted)
     _write(out_dir, report)
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
     if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):

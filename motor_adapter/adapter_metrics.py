@@ -8,11 +8,24 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
 from motor_adapter import metrics
+from motor_adapter.rank_loads import InstanceLoads
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import TierCounts
 from sglang_kvpub.core.tiers import TIERS
 
-__all__ = ["AdapterMetrics", "HitTally", "LABELS_MAX"]
+__all__ = ["AdapterMetrics", "HitTally", "LABELS_MAX", "RANK_METRICS"]
+
+# The routing-quality series per instance and rank (docs/operations.md, docs/grafana-routing.json).
+RANK_METRICS = (
+    "motor_kv_adapter_scored_hit_tokens_total",
+    "motor_kv_adapter_rank_cached_tokens_total",
+    "motor_kv_adapter_rank_prefill_tokens_total",
+    "motor_kv_adapter_rank_load_tokens",
+    "motor_kv_adapter_rank_requests",
+    "motor_kv_adapter_instance_rank_load_skew",
+    "motor_kv_adapter_dispatch_decisions_total",
+    "motor_kv_adapter_rank_loads_age_seconds",
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +82,11 @@ class AdapterMetrics:
             "motor_kv_adapter_unregistered_queries_total",
             "Queries for a model with no registration (404 NoIndexer: Motor falls back to load_balance)",
         )
+        self.scored_tokens = reg.counter(
+            "motor_kv_adapter_scored_hit_tokens_total",
+            "Prompt tokens /query scored as a hit on the rank that would serve the request, per instance and rank",
+        )
+        self._scored_cells: dict[tuple[str, int], list[float]] = {}
         self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
         # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
         self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
@@ -101,6 +119,16 @@ class AdapterMetrics:
                         cell = cells[tier] = self.instance_hits.cell(_hit_labels(instance, dp, rank, tier))
                     adds.append((cell, count))
         return HitTally(tuple(adds), best)
+
+    def observe_scored(self, instance: str, rank: int, tokens: int) -> None:
+        """One instance of one ``/query`` answer: ``tokens`` scored as a hit on engine rank ``rank``."""
+        cell = self._scored_cells.get((instance, rank))
+        if cell is None:
+            if len(self._scored_cells) >= LABELS_MAX:
+                self._scored_cells.clear()  # only a cache: the counter keeps its series
+            labels = (("engine_dp_rank", str(rank)), ("instance", instance))
+            cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
+        cell[0] += tokens
 
     def observe_tally(self, model: str, tally: HitTally, blocks: int, started: float) -> None:
         """One query of ``model``: its latency, its ``blocks`` and its hits (a :meth:`tally`)."""
@@ -141,7 +169,12 @@ class AdapterMetrics:
         )
         entry[0], entry[1] = now + _MISSED_LOG_INTERVAL_S, 0.0
 
-    def render(self, health: Mapping[tuple[str, str, int, str], list[Any]], regs: Sequence[Registration]) -> str:
+    def render(
+        self,
+        health: Mapping[tuple[str, str, int, str], list[Any]],
+        regs: Sequence[Registration],
+        loads: Sequence[tuple[str, InstanceLoads]] = (),
+    ) -> str:
         names: dict[tuple[str, str, int, str], str] = {}
         for reg in regs:
             if reg.stream is not None:
@@ -173,4 +206,45 @@ class AdapterMetrics:
                         dp_rank="all" if rank is None else rank,
                     )
             extra.append(gauge)
+        extra += _rank_series(loads)
         return self.registry.render(extra)
+
+
+def _rank_series(loads: Sequence[tuple[str, InstanceLoads]]) -> list[metrics.Gauge]:
+    """What the instances' rank-load messages said last (wire.LoadReport), per instance and rank."""
+
+    def series(name: str, kind: str, help_text: str) -> metrics.Gauge:
+        gauge = metrics.Gauge(name, help_text)
+        gauge.kind = kind
+        return gauge
+
+    cached = series(
+        "motor_kv_adapter_rank_cached_tokens_total", "counter", "Prompt tokens the rank served from its cache"
+    )
+    prefill = series(
+        "motor_kv_adapter_rank_prefill_tokens_total", "counter", "Prompt tokens the rank computed (not cached)"
+    )
+    load = series("motor_kv_adapter_rank_load_tokens", "gauge", "The rank's load in tokens, as its dispatcher costs it")
+    requests = series("motor_kv_adapter_rank_requests", "gauge", "Requests running or waiting on the rank")
+    skew = series(
+        "motor_kv_adapter_instance_rank_load_skew",
+        "gauge",
+        "Busiest rank's load / the ranks' mean load (1: even; under lock step the busiest paces every step)",
+    )
+    decisions = series(
+        "motor_kv_adapter_dispatch_decisions_total", "counter", "The instance dispatcher's decisions by reason"
+    )
+    age = series("motor_kv_adapter_rank_loads_age_seconds", "gauge", "Seconds since the instance's last rank loads")
+    now = time.monotonic()
+    for instance, figures in loads:
+        for rank, value in enumerate(figures.loads):
+            cached.set(figures.cached_tokens_total[rank], instance=instance, dp_rank=rank)
+            prefill.set(figures.prefill_tokens_total[rank], instance=instance, dp_rank=rank)
+            load.set(value, instance=instance, dp_rank=rank)
+            requests.set(figures.requests[rank], instance=instance, dp_rank=rank)
+        mean = sum(figures.loads) / len(figures.loads) if figures.loads else 0.0
+        skew.set(max(figures.loads) / mean if mean > 0 else 1.0, instance=instance)
+        for reason, count in figures.dispatch.items():
+            decisions.set(count, instance=instance, reason=reason)
+        age.set(round(now - figures.received, 3), instance=instance)
+    return [cached, prefill, load, requests, skew, decisions, age]

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.scoring import Candidate, Decision, KvAffinityConfig, TierCounts, select
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class KvAffinity:
         self._curve_keys = dict(curve_server_keys or {})
         self._curve_client_file = curve_client_secret_key_file
         self.index = index if index is not None else _default_index(cfg.block_size, capacity_blocks)
+        self.loads = RankLoadBook()  # each instance's rank loads, from its stream's rank-load messages
         self._factory = subscriber_factory
         self._context = context if context is not None else zmq.Context.instance()
         self._instances: dict[str, _Instance] = {}
@@ -182,6 +184,7 @@ class KvAffinity:
                     topic=spec.topic,
                     dp_rank_override=rank,
                     context=self._context,
+                    load_sink=self.loads.apply,
                     **extra,
                 )
                 sub.start()
@@ -210,6 +213,7 @@ class KvAffinity:
             return False
         _stop_all(entry.subscribers)  # joined first, so no batch lands after the clear
         self.index.clear_instance(instance_id)
+        self.loads.forget(instance_id)
         return True
 
     def instances(self) -> list[str]:

@@ -53,6 +53,9 @@ __all__ = [
     "matched_tokens",
     "prefill_cost",
     "QUERY_SHAPES",
+    "RankScored",
+    "motor_values",
+    "pick_instance",
     "instance_entry",
     "select",
     "weighted_blocks",
@@ -584,3 +587,67 @@ def instance_entry(
     out["DP"] = {dp: round(weighted * bs) for dp, weighted in weights.items()}
     out["dp_detail"] = dict(entries)
     return out
+
+
+# --------------------------------------------------------------------------- the rank that serves
+
+
+@dataclasses.dataclass(frozen=True)
+class RankScored:
+    """One instance scored by the rank that would serve the request (``rank_cost.score_ranks``):
+    that rank, its hit and matched tokens, its cost (prefill part + that rank's load), and the
+    instance's summed rank loads - what Motor's own per-instance load term is taken to be."""
+
+    rank: Union[int, None]
+    hit: Union[TierCounts, None]
+    matched: int
+    cost: float
+    load_estimate: float = 0.0
+    load: float = 0.0  # the chosen rank's own load
+
+
+def pick_instance(scored: Sequence[RankScored], spread: int) -> int:
+    """The index of the lowest cost; equal costs go to the one ``spread`` names among them."""
+    if not scored:
+        raise ValueError("pick_instance needs at least one instance")
+    low = min(s.cost for s in scored)
+    tied = [i for i, s in enumerate(scored) if s.cost == low]
+    return tied[spread % len(tied)]
+
+
+def motor_values(
+    scored: Sequence[RankScored], best: int, cfg: KvAffinityConfig, isl: int
+) -> tuple[list[int], list[int]]:
+    """The ints Motor reads per instance - ``(DP, GPU)`` - so that its unchanged cost picks
+    ``scored[best]`` and, under the Ascend source's cost, ranks the others by their cost.
+
+    * ``DP`` (the Ascend source): Motor computes ``prefill_load_scale * max(0, isl -
+      overlap_credit * min(DP, isl)) + load_weight * load``.  With ``T = cost -
+      load_weight * load_estimate`` (Motor adds its own instance load, estimated by the summed
+      rank loads), ``DP = matched_best - (T - T_best) / (prefill_load_scale * overlap_credit)``,
+      at most ``isl``: Motor's scores then differ as the costs do.  The best instance shows its
+      real matched tokens (Motor's log line shows the true hit); another instance may get a
+      value below 0 - the Ascend source takes ``min(DP, isl)`` and ``max(0, isl - credit * DP)``,
+      so a negative value costs more than a miss, which is what keeps Motor's instance-load
+      term from outweighing a rank's hit and load (3.0.0b2 reads ``DP`` of the instance it
+      picked by ``GPU`` only: the best, never negative).
+    * ``GPU`` (3.0.0b2: the instance with the largest ``GPU``, ignoring negative values, and no
+      load term): the best instance its real matched tokens (at least 1 when there are others,
+      so a cold best still wins), every other instance its real matched tokens kept below that.
+    """
+    n = len(scored)
+    top = scored[best]
+    gpu = [0] * n
+    gpu_best = max(top.matched, 1) if n > 1 and isl > 0 else top.matched  # 1: a cold best beats the others
+    for i, s in enumerate(scored):
+        gpu[i] = gpu_best if i == best else max(0, min(s.matched, gpu_best - 1))
+    scale = cfg.prefill_load_scale * cfg.overlap_credit
+    if scale <= 0:  # Motor ignores the hit: report it as it is
+        return [min(s.matched, isl) for s in scored], gpu
+    weight = cfg.load_weight
+    targets = [s.cost - weight * s.load_estimate for s in scored]
+    t_best = targets[best]
+    anchor = float(min(top.matched, isl))
+    dp = [round(min(anchor - (t - t_best) / scale, float(isl))) for t in targets]
+    dp[best] = round(anchor)
+    return dp, gpu

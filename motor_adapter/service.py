@@ -24,7 +24,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 from aiohttp import web
@@ -58,6 +58,7 @@ from motor_adapter.settings import MAX_STREAMS_ENV, TOKEN_ENV, ServiceConfig
 from motor_adapter.state import AdapterState, AffinityFactory, Answer
 from sglang_kvpub.core import hashing
 from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.core.rank_cost import spread_key
 from sglang_kvpub.core.ratelimit import RateLimiter
 
 __all__ = [
@@ -115,6 +116,8 @@ class _Prompt:
     block_size: int
     keys: list[int]  # shared by every hit of the cache: never mutated
     blocks: int
+    isl: Union[int, None] = None  # prompt tokens (None: the full blocks')
+    spread: int = 0  # the tie-break key (rank_cost.spread_key): the dispatcher computes the same
 
 
 class _PromptCache:
@@ -291,12 +294,12 @@ class _Handlers:
                 ids = await asyncio.to_thread(self.state.tokens_of, model, fields)
             tokens = ids if type(ids) is memoryview else u32_tokens(ids)
             keys = sequence_keys(tokens, block_size)
-            prompt = _Prompt(model, tenant, block_size, keys, len(tokens) // block_size)
+            spread = spread_key(tokens, block_size)
+            prompt = _Prompt(model, tenant, block_size, keys, len(tokens) // block_size, len(tokens), spread)
             self._prompts.put(cache_key, raw, prompt)
         p = prompt
-        return _encoded_answer(
-            request, self.state.answer_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started)
-        )
+        answer = self.state.answer_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started, p.isl, p.spread)
+        return _encoded_answer(request, answer)
 
     async def query_by_hash(self, request: web.Request) -> web.Response:
         body = await self.query_body(request)

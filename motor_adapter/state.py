@@ -24,6 +24,7 @@ from typing import Any, Union
 from motor_adapter.adapter_metrics import AdapterMetrics, HitTally
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
+from motor_adapter.rank_loads import InstanceLoads
 from motor_adapter.registration import (
     Registration,
     Unregistration,
@@ -31,15 +32,21 @@ from motor_adapter.registration import (
 from motor_adapter.scoring import (
     Candidate,
     KvAffinityConfig,
+    RankScored,
     TierCounts,
     best_rank,
     dp_entry,
     fold_engine_dps,
     instance_entry,
+    matched_tokens,
+    motor_values,
+    pick_instance,
+    prefill_cost,
     select,
 )
 from motor_adapter.settings import ServiceConfig
 from sglang_kvpub.core.hashing import chain_hashes, sequence_keys
+from sglang_kvpub.core.rank_cost import CostParams, score_ranks, spread_key, spread_key_of_local, spread_start
 
 __all__ = ["AdapterState", "AffinityFactory", "Answer", "Hits"]
 
@@ -375,12 +382,15 @@ class AdapterState:
     def query(self, model: str, tenant: str, block_size: int, token_ids: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = sequence_keys(token_ids, block_size)  # the HTTP path's array("I"): hashed from its buffer
-        return self.answer_keys(model, tenant, block_size, keys, len(token_ids) // block_size, started).body
+        spread = spread_key(token_ids, block_size)
+        blocks = len(token_ids) // block_size
+        return self.answer_keys(model, tenant, block_size, keys, blocks, started, len(token_ids), spread).body
 
     def query_by_hash(self, model: str, tenant: str, block_size: int, local_hashes: Sequence[int]) -> dict[str, Any]:
         started = time.perf_counter()
         keys = chain_hashes(local_hashes)
-        return self.answer_keys(model, tenant, block_size, keys, len(keys), started).body
+        spread = spread_key_of_local(local_hashes[-1]) if local_hashes else 0
+        return self.answer_keys(model, tenant, block_size, keys, len(keys), started, None, spread).body
 
     def query_keys(
         self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float | None = None
@@ -389,12 +399,28 @@ class AdapterState:
         return self.answer_keys(model, tenant, block_size, keys, blocks, started or time.perf_counter()).body
 
     def answer_keys(
-        self, model: str, tenant: str, block_size: int, keys: list[int], blocks: int, started: float
+        self,
+        model: str,
+        tenant: str,
+        block_size: int,
+        keys: list[int],
+        blocks: int,
+        started: float,
+        isl: int | None = None,
+        spread: int = 0,
     ) -> Answer:
         """``conductor_response(*instance_hits(..), fold=True, shape=..)`` fused for the hot path
         (same JSON), remembered per result of the index's one-pass walk: the same walk ends
-        give the same answer object, its encodings included. Never mutate it."""
+        give the same answer object, its encodings included. Never mutate it.
+
+        When an instance's stream sends rank loads (wire.LoadReport), the answer scores every
+        instance by the rank that would serve the request instead (:meth:`_answer_by_rank`):
+        ``isl`` is the prompt's length (default ``blocks * block_size``), ``spread`` its
+        tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
         view = self._view(model, tenant, block_size)
+        if view.affinity is not None and _has_loads(view):
+            size = isl if isl is not None else blocks * block_size
+            return self._answer_by_rank(view, model, tenant, block_size, keys, blocks, started, size, spread)
         best, remembered = self._best_ranks(view, keys, block_size)
         done = view.by_best.get(id(best)) if remembered else None
         if done is None or done[0] is not best:
@@ -407,6 +433,91 @@ class AdapterState:
                 view.by_best[id(best)] = done
         self.metrics.observe_tally(model, done[2], blocks, started)
         return done[1]
+
+    def _answer_by_rank(
+        self,
+        view: _View,
+        model: str,
+        tenant: str,
+        block_size: int,
+        keys: list[int],
+        blocks: int,
+        started: float,
+        isl: int,
+        spread: int,
+    ) -> Answer:
+        """Every instance scored by the rank that would serve the request - that rank's hit and
+        load, ``rank_cost.score_ranks``, the dispatcher's own function - and answered in the
+        values Motor's unchanged cost reads (:func:`scoring.motor_values`): ``DP`` for the
+        Ascend source's cost, ``GPU`` for 3.0.0b2's largest-GPU rule.  ``dp_detail`` names the
+        rank (``scored_rank``; ``engine_dp_rank`` and the tiers: its real hit, None without one;
+        ``rank_load``, ``rank_cost``).  Not remembered:
+        the loads change every report."""
+        assert view.affinity is not None
+        cfg, shape = self.scoring_config(block_size), self.config.query_shape
+        params = _cost_params(cfg)
+        all_hits = view.affinity.hits_for_keys(keys)
+        book = view.affinity.loads
+        plans = [plan for plan in view.plans if plan.single and plan.streams]
+        scored: list[RankScored] = []
+        longest: list[int] = []
+        for plan in plans:
+            ranks = all_hits.get(plan.streams[0][1], {})
+            longest.append(max((h.total_blocks for h in ranks.values()), default=0) * block_size)
+            loads = book.get(plan.streams[0][1])
+            if loads is None or loads.dp_size == 0:  # no load figures: the longest hit, as before
+                found = best_rank(ranks, cfg)
+                hit = found[1] if found else None
+                matched = matched_tokens(hit, cfg, isl)
+                cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
+                scored.append(RankScored(found[0] if found else None, hit, matched, cost))
+                continue
+            size = loads.dp_size
+            now = book.current(loads, plan.streams[0][1])
+            tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
+            chosen = score_ranks(tiers, now, list(range(size)), spread_start(spread, size), isl, params)
+            hit = ranks.get(chosen.rank)
+            scored.append(RankScored(chosen.rank, hit, chosen.matched, chosen.cost, sum(now), chosen.load))
+        out: dict[str, dict[str, Any]] = {}
+        observed: list[_Observed] = []
+        if scored:
+            best = pick_instance(scored, spread)
+            dp_values, gpu_values = motor_values(scored, best, cfg, isl)
+            top = scored[best]
+            if top.rank is not None and book.get(plans[best].streams[0][1]) is not None:
+                # The answer makes Motor pick this instance and its dispatcher this rank: count
+                # the prompt's uncached part there until the instance's next report.
+                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched, keys[-1] if keys else spread)
+            for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
+                key = plan.keys[0]
+                # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
+                # scored_rank the rank that would serve the request, hit or not.
+                entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
+                entry["scored_rank"] = s.rank
+                entry["rank_cost"] = round(s.cost, 1)
+                entry["rank_load"] = round(s.load, 1)
+                answer = instance_entry({key: entry}, cfg, block_size, shape)
+                answer["longest_matched"] = longest[i]
+                answer["GPU"] = gpu_values[i]
+                if shape == "tokens":
+                    answer["DP"] = {key: dp_values[i]}
+                out[plan.instance] = answer
+                if s.hit is not None and s.rank is not None:
+                    observed.append((plan.instance, key, s.rank, s.hit))
+                if s.rank is not None and s.matched > 0:
+                    self.metrics.observe_scored(plan.instance, s.rank, s.matched)
+        for plan in view.plans:  # several endpoints per instance: each dp its own stream's best rank
+            if plan.instance in out:
+                continue
+            per_stream: list[Union[tuple[int, TierCounts], None]] = []
+            for _, stream in plan.streams:
+                best_of = best_rank(all_hits.get(stream, {}), cfg)
+                per_stream.append((best_of[0], best_of[1]) if best_of else None)
+            entry_out, hits = _instance_answer(plan, tuple(per_stream), block_size, cfg, shape)
+            out[plan.instance] = entry_out
+            observed.extend(hits)
+        self.metrics.observe_tally(model, self.metrics.tally(observed), blocks, started)
+        return Answer({tenant: out}, {})
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -527,8 +638,55 @@ class AdapterState:
                 out[(model, tenant, block_size, stream)] = list(healths)
         return out
 
+    def rank_loads(self) -> list[tuple[str, InstanceLoads]]:
+        """Every followed instance stream's last rank loads, named by the instances registered on it."""
+        regs = self.registrations()
+        with self._lock:
+            entries = list(self._indexes.items())
+        out = []
+        for (model, tenant, block_size), entry in entries:
+            for stream, figures in entry.affinity.loads.items():
+                names = sorted(
+                    {
+                        r.instance_id
+                        for r in regs
+                        if (r.model, r.tenant, r.block_size, r.stream) == (model, tenant, block_size, stream)
+                    }
+                )
+                out.append((",".join(names) or stream, figures))
+        return out
+
     def render_metrics(self) -> str:
-        return self.metrics.render(self.stream_health(), self.registrations())
+        return self.metrics.render(self.stream_health(), self.registrations(), self.rank_loads())
+
+
+def _has_loads(view: _View) -> bool:
+    """Whether any single-endpoint instance of the view has fresh rank loads."""
+    affinity = view.affinity
+    if affinity is None or not affinity.loads.reports:
+        return False
+    return any(plan.single and plan.streams and affinity.loads.get(plan.streams[0][1]) for plan in view.plans)
+
+
+_PARAMS: dict[KvAffinityConfig, CostParams] = {}
+
+
+def _cost_params(cfg: KvAffinityConfig) -> CostParams:
+    """The shared rank cost's constants under Motor's weights (the guard: the dispatcher's defaults)."""
+    params = _PARAMS.get(cfg)
+    if params is None:
+        if len(_PARAMS) >= 64:
+            _PARAMS.clear()
+        params = _PARAMS[cfg] = CostParams(
+            cfg.block_size,
+            cfg.w_npu,
+            cfg.w_cpu,
+            cfg.w_disk,
+            cfg.prefill_load_scale,
+            cfg.overlap_credit,
+            cfg.load_weight,
+        )
+    return params
 
 
 def _conductor_answer(

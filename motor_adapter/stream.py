@@ -96,6 +96,7 @@ class StreamHealth:
     # Ranks of an instance stream, from its snapshot (the fan-in sends every rank 0..dp_size-1,
     # empty ones included); None: not known (plain engine stream, or no snapshot yet).
     dp_size: int | None = None
+    load_reports: int = 0  # rank-load messages received live (wire.LoadReport)
 
 
 _COUNTERS = (
@@ -153,8 +154,12 @@ class StreamSubscriber:
         context: zmq.Context[Any] | None = None,
         decode_limits: wire.DecodeLimits | None = None,
         options: StreamOptions | None = None,
+        load_sink: Callable[[str, wire.LoadReport], None] | None = None,
     ) -> None:
+        """``load_sink(instance_id, report)``: every live rank-load message (wire.LoadReport)."""
         self.instance_id = instance_id
+        self._load_sink = load_sink
+        self._load_codec = wire.LoadReportCodec()
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -371,7 +376,21 @@ class StreamSubscriber:
         except wire.WireError as exc:
             self._bad_input("live frame", exc)
             return
-        self._enqueue(_Item(seq, self._decode(payload), hash(payload)))
+        batch = self._decode(payload)
+        if self._load_sink is not None and batch is not None and not batch.events and self.dp_rank_override is None:
+            self._take_loads(payload)  # live figures only: a replayed report is history
+        self._enqueue(_Item(seq, batch, hash(payload)))
+
+    def _take_loads(self, payload: bytes) -> None:
+        """A heartbeat-shaped payload that is a rank-load message: its figures to the sink."""
+        try:
+            report = self._load_codec.decode(payload)
+        except wire.WireError as exc:
+            self._bad_input("rank-load message", exc)
+            return
+        if report is not None and self._load_sink is not None:
+            self._c.load_reports += 1
+            self._load_sink(self.instance_id, report)
 
     def _decode(self, payload: bytes) -> wire.EventBatch | None:
         try:

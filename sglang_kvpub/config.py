@@ -62,6 +62,7 @@ PLUGIN_KEYS = (
     "full_policy",
     "rank_send",
     "dp_dispatch",
+    "load_report_s",
     "curve_secret_key_file",
     "curve_public_key_file",
     "curve_authorized_keys",
@@ -93,6 +94,7 @@ class PluginConfig:
     full_policy: FullPolicy = "drop_oldest"
     rank_send: RankSendName = "inline"
     dp_dispatch: DispatchName = "cache_aware"  # the default with the plugin (issue #21); "default" opts out
+    load_report_s: float = 0.1  # the rank-load message (wire.LoadReport) at most this often; 0: never
     # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
     curve_secret_key_file: Union[str, None] = None
     curve_public_key_file: Union[str, None] = None
@@ -164,11 +166,11 @@ def _from_env(key: str, raw: str) -> Any:
     text = raw.strip()
     if key in ("internal_channel", "curve_secret_key_file", "curve_public_key_file", "curve_authorized_keys"):
         return text or None
-    if key == "heartbeat_s":
+    if key in ("heartbeat_s", "load_report_s"):
         try:
             return float(text)
         except ValueError:
-            raise _bad(key, raw, "use a number of seconds > 0, e.g. 1.0") from None
+            raise _bad(key, raw, "use a number of seconds, e.g. 1.0") from None
     if key == "rank_queue_size":
         try:
             return int(text)
@@ -220,6 +222,11 @@ def _heartbeat(key: str, value: Any) -> None:
         raise _bad(key, value, "use a number of seconds in (0, 3600], e.g. 1.0")
 
 
+def _load_report(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value == 0 or 0.01 <= value <= 60):
+        raise _bad(key, value, "use 0 (off) or a number of seconds in [0.01, 60], e.g. 0.1")
+
+
 _UNIX_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
 PACKET_SCHEME = "unixpkt://"  # the Unix SEQPACKET internal channel (packet_channel.py); others are ZMQ
 
@@ -266,6 +273,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "full_policy": _choice(get_args(FullPolicy)),
     "rank_send": _choice(get_args(RankSendName)),
     "dp_dispatch": _choice(get_args(DispatchName)),
+    "load_report_s": _load_report,
     "curve_secret_key_file": _optional_path,
     "curve_public_key_file": _optional_path,
     "curve_authorized_keys": _optional_path,

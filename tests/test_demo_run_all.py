@@ -91,3 +91,28 @@ def test_readme_block_is_rewritten_between_the_markers_only(tmp_path: Path) -> N
     assert "| dispatch | decision_us_p50 | 40 | <= 50 | yes |" in text
     readme.write_text("no markers\n", encoding="utf-8")
     assert not run_all.update_readme(_report({}), readme)  # type: ignore[arg-type]
+
+
+def test_an_only_run_replaces_its_benches_and_keeps_the_others(tmp_path: Path) -> None:
+    def bench(name: str, value: int) -> dict[str, object]:
+        return {"name": name, "status": "ok", "command": f"python bench/{name}.py", "duration_s": 1.0,
+                "records": [{"bench": name, "value": value}]}  # fmt: skip
+
+    machine = {"cpus": 2, "python": "3.11", "platform": "x", "loadavg_1m": 1.0}
+    previous = {"generated": "then", "command": "python bench/run_all.py --readme", "quick": False,
+                "partial": False, "machine": machine, "benches": [bench("wire", 1), bench("routing", 1)]}  # fmt: skip
+    fresh = {**previous, "generated": "now", "command": "python bench/run_all.py --only routing --readme",
+             "benches": [bench("routing", 2)]}  # fmt: skip
+    (tmp_path / "latest.json").write_text(run_all.json.dumps(previous))
+    assert run_all._previous(tmp_path / "latest.json") == previous
+    merged = run_all._merged(previous, fresh, {"routing"})
+    assert [(b["name"], b["records"][0]["value"]) for b in merged["benches"]] == [("wire", 1), ("routing", 2)]
+    assert merged["generated"] == "then" and merged["remeasured"]["generated"] == "now"
+    readme = tmp_path / "README.md"
+    readme.write_text("a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n")
+    assert run_all.update_readme(merged, readme)
+    text = readme.read_text()
+    assert "the `routing` rows re-measured by `python bench/run_all.py --only routing --readme` on now" in text
+    assert text.startswith("a\n") and text.endswith("\nb\n")
+    (tmp_path / "latest.json").write_text(run_all.json.dumps({**previous, "partial": True}))
+    assert run_all._previous(tmp_path / "latest.json") is None  # never merge into a cut-short run

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from sglang_kvpub.core.dispatch import (
     InflightLoad,
 )
 from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.rank_cost import spread_key, spread_start
 from sglang_kvpub.engine.dispatch_hook import feed_from_fanin
 from sglang_kvpub.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -120,11 +122,14 @@ def test_relative_guard_and_guard_off() -> None:
 
 
 @pytest.mark.unit
-def test_short_prompts_and_no_candidates_use_the_default_policy() -> None:
+def test_short_prompts_go_to_the_least_loaded_and_no_candidates_use_the_default_policy() -> None:
     d = CacheAwareDispatcher(4, BLOCK)
     _store(d, 1, _tokens(2 * BLOCK))
-    short = d.choose(_tokens(BLOCK - 1), [0.0] * 4)
-    assert (short.rank, short.reason) == (None, REASON_SHORT_PROMPT)
+    short = d.choose(_tokens(BLOCK - 1), [5.0, 0.0, 9.0, 3.0])
+    assert (short.rank, short.reason, short.matched_tokens) == (1, REASON_SHORT_PROMPT, 0)
+    prompt = _tokens(BLOCK - 1)
+    even = d.choose(prompt, [0.0] * 4)  # equal loads: the prompt's own start, not always rank 0
+    assert (even.rank, even.reason) == (spread_start(spread_key(prompt, BLOCK), 4), REASON_SHORT_PROMPT)
     none = d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[])
     assert (none.rank, none.reason) == (None, REASON_NO_CANDIDATES)
     assert d.choose(_tokens(2 * BLOCK), [0.0] * 4, candidates=[0, 2]).rank in (0, 2)
@@ -132,9 +137,17 @@ def test_short_prompts_and_no_candidates_use_the_default_policy() -> None:
 
 @pytest.mark.unit
 def test_cold_prompts_spread_over_equally_loaded_ranks() -> None:
+    """Equal (zero) loads: each cold prompt goes where its own tie-break key starts the scan, so
+    distinct prompts spread over every rank (a real server once sent them all to rank 1), and a
+    prompt goes to the same rank every time (the adapter computes the same start)."""
     d = CacheAwareDispatcher(RANKS, BLOCK)
-    ranks = {d.choose(_tokens(3 * BLOCK, salt=n), [0.0] * RANKS).rank for n in range(RANKS)}
-    assert ranks == set(range(RANKS))
+    prompts = [_tokens(3 * BLOCK, salt=n) for n in range(16 * RANKS)]
+    chosen = [d.choose(p, [0.0] * RANKS).rank for p in prompts]
+    counts = collections.Counter(chosen)
+    assert set(counts) == set(range(RANKS))
+    assert max(counts.values()) <= 4 * len(prompts) // RANKS  # no rank takes a pile
+    assert chosen == [d.choose(p, [0.0] * RANKS).rank for p in prompts]
+    assert chosen == [spread_start(spread_key(p, BLOCK), RANKS) for p in prompts]
 
 
 @pytest.mark.unit
@@ -235,7 +248,7 @@ def test_decisions_equal_the_rule_on_the_general_query_on_random_data() -> None:
         lora = rng.choice([None, "adapter"])
         prompt = array("q", query) if step % 2 else query
         expected_ranks = [r for r in (range(8) if candidates is None else candidates) if 0 <= r < 8]
-        start = (d._rotation + 1) % len(expected_ranks)
+        start = spread_start(spread_key(query, 16), len(expected_ranks))
         expected = _reference(d, query, loads, candidates, lora, start)
         got = d.choose(prompt, loads, candidates=candidates, lora_name=lora)
         assert (got.rank, got.reason, got.matched_tokens, got.npu_blocks, got.cpu_blocks, got.disk_blocks,
@@ -357,9 +370,12 @@ def test_real_controller_respects_explicit_ranks(sglang_run: dict[str, Any], met
 
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_real_controller_short_prompts_use_sglang_policy(sglang_run: dict[str, Any]) -> None:
-    assert sglang_run["round_robin"]["short"] == [0, 1, 2, 3]  # the untouched round-robin counter
+def test_real_controller_short_prompts_go_to_the_least_loaded_rank(sglang_run: dict[str, Any]) -> None:
+    # Equal loads (every request sees a new snapshot, which covers the commits): the same short
+    # prompt goes where its own key starts the scan, every time.
+    expected = spread_start(spread_key(list(range(BLOCK - 1)), BLOCK), RANKS)
     for method in METHODS:
+        assert sglang_run[method]["short"] == [expected] * 4
         assert sglang_run[method]["stats"]["short_prompt"] == 4
 
 

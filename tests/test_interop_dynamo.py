@@ -116,9 +116,16 @@ class Instance:
             bind=True,
             replay_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
             heartbeat_s=0.2,
+            load_report_s=0.02,
         )
         channel = f"unixpkt://{tmp_path}/kvpub-channel"  # the default kind on one node
         self.fanin = FanIn(self.config, DP_SIZE, channel_endpoint=channel)
+        # Rank-load messages (wire.LoadReport) interleaved with every batch, each one different:
+        # the indexer must read the stream through them (it sees heartbeats).
+        ticks = iter(range(1 << 30))
+        self.fanin.set_load_source(
+            lambda: wire.RankLoads([wire.RankLoad(r, float(next(ticks))) for r in range(DP_SIZE)], {}, 0.02)
+        )
         self.fanin.start()
         self.ranks = [RankPublisher(self.config, rank, BS, channel) for rank in range(DP_SIZE)]
         self.published = 0
@@ -265,6 +272,7 @@ def test_indexer_registered_once_scores_each_prompt_per_dp_rank(
     check_registered_once(indexer, instance)
     publish_changes(instance, prompts)
     wait_for_scores(indexer, expected_after_changes(prompts))
+    assert instance.fanin.stats()["load_reports"] > 0  # the stream carried rank-load messages throughout
 
 
 @pytest.mark.timeout(60)

@@ -313,3 +313,62 @@ def test_plot_written_or_skipped_with_note(tmp_path: Path) -> None:
         assert (tmp_path / "p.png").stat().st_size > 0
     else:
         assert "matplotlib" in note
+
+
+# ------------------------------------------------------------------------------------------ issue 33
+def test_default_path_runs_the_adapter_and_the_dispatcher_and_is_compared_with_all() -> None:
+    records = routing.agentic_records(seed=1, sessions=40)
+    cfg = routing.SimConfig(instances=2, ranks=4, capacity_pages=400)
+    reqs, _ = routing.build_requests(records, 2 * 4 * cfg.tokens_per_s, load=0.5)
+    policies = ("default", "default_motor_b2", "instance_affinity", "fold_pinned_dispatch", "oracle")
+    by = {r["policy"]: r for r in routing.run(reqs, cfg, policies, {"trace": routing.AGENTIC})}
+    for name in ("default", "default_motor_b2"):
+        r = by[name]
+        assert r["code"] == "shipped" and r["load_reports"] > 0 and r["wire_batches"] > 0
+        assert r["rank_agreement"] >= 0.9  # the dispatcher took the rank the adapter scored
+        assert r["best_other_shipped"] in ("instance_affinity", "fold_pinned_dispatch")
+        assert r["oracle_ttft_p50_s"] == by["oracle"]["ttft_p50_s"]
+        assert r["hit_ratio"] > by["instance_affinity"]["hit_ratio"]
+    checked = routing.with_targets(dict(by["default"]))
+    assert len(checked["targets"]) == 4  # hit ratio vs oracle, vs every other shipped policy, TTFT p50, p90
+
+
+def test_agentic_sessions_come_from_the_seed_and_grow_turn_by_turn() -> None:
+    records = routing.agentic_records(seed=7, sessions=30)
+    assert records == routing.agentic_records(seed=7, sessions=30)
+    assert records != routing.agentic_records(seed=8, sessions=30)
+    assert [r["timestamp"] for r in records] == sorted(r["timestamp"] for r in records)
+    systems = set()
+    for r in records:
+        assert r["input_length"] <= 32768 and len(r["hash_ids"]) * 512 >= r["input_length"]
+        systems.add(r["hash_ids"][0])
+    assert 1 < len(systems) <= 4  # a few shared system prompts
+    # A later turn of a session extends the earlier prompt: its block ids start with the earlier ones.
+    extended = sum(
+        1
+        for a in records
+        for b in records
+        if b["input_length"] > a["input_length"]
+        and b["hash_ids"][: len(a["hash_ids"]) - 1] == a["hash_ids"][:-1]
+        and len(a["hash_ids"]) > 16
+    )
+    assert extended > len(records) // 2
+
+
+def test_cli_agentic_workload_prints_its_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--workload", "agentic", "--sessions", "20", "--ranks", "2", "--policies", "default,oracle"]
+    assert routing.main([*args, "--out-dir", str(tmp_path), "--no-plot"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["trace"] for x in lines] == ["agentic_sessions"] * 2
+    assert (tmp_path / "routing_agentic_sessions.jsonl").exists()
+
+
+def test_motor_models_read_the_answer_as_each_motor_does() -> None:
+    cfg = routing.KvAffinityConfig(block_size=128)
+    answer = {"vllm-prefill-0": {"GPU": 0, "DP": {"0": -500}}, "vllm-prefill-1": {"GPU": 256, "DP": {"0": 256}}}
+    candidates = [("vllm-prefill-0", 0.0), ("vllm-prefill-1", 100.0)]
+    assert routing.motor_ascend_pick(answer, candidates, 1000, cfg) == "vllm-prefill-1"  # 744+100 < 1500+0
+    assert routing.motor_b2_pick(answer, candidates, 1000, cfg) == "vllm-prefill-1"
+    cold = {"vllm-prefill-0": {"GPU": 0, "DP": {"0": 0}}, "vllm-prefill-1": {"GPU": 0, "DP": {"0": 0}}}
+    assert routing.motor_b2_pick(cold, candidates, 1000, cfg) == "vllm-prefill-1"  # the last of equals
+    assert routing.motor_ascend_pick({}, candidates, 1000, cfg) == "vllm-prefill-0"  # nothing listed: least loaded

@@ -9,11 +9,14 @@ rank with the lowest Motor-style cost::
     matched_r = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
     cost_r    = prefill_load_scale * max(0, isl - overlap_credit * matched_r) + load_weight * load_r
 
-with the router's block keys (:mod:`sglang_kvpub.core.hashing`), so a rank the router thinks
-holds a prefix is the rank this dispatcher picks.  Hot-spot guard: when the chosen rank's
+with the router's block keys (:mod:`sglang_kvpub.core.hashing`) and the router's scoring
+function (:func:`sglang_kvpub.core.rank_cost.score_ranks`, ties from a start the prompt fixes),
+so the rank the adapter scored an instance by is the rank this dispatcher picks when it sees
+the same loads.  Hot-spot guard: when the chosen rank's
 load exceeds the least loaded candidate's by more than ``max(hotspot_spread,
 hotspot_relative * mean load)``, the least loaded candidate wins instead (reason
-``hotspot``).  A prompt shorter than one block gets no decision (SGLang's own policy).
+``hotspot``).  A prompt shorter than one block goes to the least loaded rank (reason
+``short_prompt``).
 
 The SGLang edge (the controller hooks and the fan-in feed) lives in
 :mod:`sglang_kvpub.engine.dispatch_hook`; this module is the pure policy and names no SGLang
@@ -38,9 +41,16 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from sglang_kvpub.core import hashing
 from sglang_kvpub.core.hashing import BASE_SEED, lora_seed
 from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.rank_cost import (
+    DEFAULT_HOTSPOT_RELATIVE,
+    DEFAULT_HOTSPOT_SPREAD,
+    CostParams,
+    score_ranks,
+    spread_key,
+    spread_start,
+)
 from sglang_kvpub.wire import AllBlocksCleared, BlockStored, Event, EventBatch
 
 __all__ = [
@@ -60,11 +70,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Decision reasons (metrics keys).  ``rank`` is None for the last five: SGLang's policy runs.
+# Decision reasons (metrics keys).  ``rank`` is None for the last four: SGLang's policy runs.
 REASON_CACHE_HIT = "cache_hit"  # lowest cost, some rank holds a prefix
 REASON_NO_HIT = "no_hit"  # no rank holds block 0: lowest cost = least loaded
 REASON_HOTSPOT = "hotspot"  # guard: the cheapest rank was overloaded, least loaded instead
-REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block
+REASON_SHORT_PROMPT = "short_prompt"  # shorter than one block: no hit anywhere, the least loaded rank
 REASON_NO_CANDIDATES = "no_candidates"  # no active rank with a load figure
 REASON_NO_TOKENS = "no_tokens"  # input_embeds / multimodal-only request: nothing to hash
 REASON_EXPLICIT = "explicit"  # routed_dp_rank set: SGLang routed it (counted by the hook)
@@ -82,7 +92,7 @@ REASONS = (
 
 LOCAL_INSTANCE = "local"
 _NO_HIT = (0, 0, 0)
-_NATIVE_REASONS = (REASON_CACHE_HIT, REASON_NO_HIT, REASON_HOTSPOT)  # dispatch_score's reason codes
+_SCORE_REASONS = (REASON_CACHE_HIT, REASON_NO_HIT, REASON_HOTSPOT)  # rank_cost.REASON_CODES, as decision reasons
 
 
 # --------------------------------------------------------------------------- decisions
@@ -161,8 +171,8 @@ class CacheAwareDispatcher:
         load_weight: float = 1.0,
         prefill_load_scale: float = 1.0,
         overlap_credit: float = 1.0,
-        hotspot_spread: float | None = 16384.0,
-        hotspot_relative: float | None = 1.0,
+        hotspot_spread: float | None = DEFAULT_HOTSPOT_SPREAD,
+        hotspot_relative: float | None = DEFAULT_HOTSPOT_RELATIVE,
         w_npu: float = 1.0,
         w_cpu: float = 1.0,
         w_disk: float = 0.0,
@@ -183,6 +193,17 @@ class CacheAwareDispatcher:
         self.hotspot_spread = hotspot_spread
         self.hotspot_relative = hotspot_relative
         self.weights = (w_npu, w_cpu, w_disk)
+        self.params = CostParams(
+            block_size,
+            w_npu,
+            w_cpu,
+            w_disk,
+            prefill_load_scale,
+            overlap_credit,
+            load_weight,
+            hotspot_spread,
+            hotspot_relative,
+        )
         self.index = (
             index
             if index is not None
@@ -194,7 +215,6 @@ class CacheAwareDispatcher:
         # Per rank: (wall time, tokens) committed since SGLang's last load snapshot of it.
         self.commits: list[list[tuple[float, float]]] = [[] for _ in range(dp_size)]
         self._rank_list = list(range(dp_size))  # never handed out for mutation
-        self._rotation = 0
         self._counts: collections.Counter[str] = collections.Counter()
         self._matched_tokens = 0
         self._stats_lock = threading.Lock()
@@ -251,11 +271,14 @@ class CacheAwareDispatcher:
         *,
         candidates: Sequence[int] | None = None,
         lora_name: str | None = None,
+        spread: int | None = None,
     ) -> DispatchDecision:
         """The rank for a prompt given per-rank ``loads`` (indexed by rank; any unit, the
         same as the prefill cost's - SGLang's token counts by default).  ``candidates``:
-        the ranks allowed (default all with a load figure).  Counted per reason."""
-        decision = self._decide(token_ids, loads, candidates, lora_name)
+        the ranks allowed (default all with a load figure).  ``spread``: the prompt's
+        tie-break key (:func:`~sglang_kvpub.core.rank_cost.spread_key`, computed when not
+        given).  Counted per reason."""
+        decision = self._decide(token_ids, loads, candidates, lora_name, spread)
         self.count(decision.reason, decision.matched_tokens)
         return decision
 
@@ -270,81 +293,24 @@ class CacheAwareDispatcher:
         loads: Sequence[float],
         candidates: Sequence[int] | None,
         lora_name: str | None,
+        spread: int | None = None,
     ) -> DispatchDecision:
         isl = len(token_ids)
-        if isl < self.block_size:
-            return DispatchDecision(None, REASON_SHORT_PROMPT, isl)
         ranks = self._ranks(candidates, len(loads))
         if not ranks:
             return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
-        hits = self._hits(token_ids, lora_name)
-        # Rotate the scan start so equal costs spread over ranks instead of piling on the first.
-        self._rotation = start = (self._rotation + 1) % len(ranks)
-        if hashing.NATIVE is not None:
-            return self._decide_native(hits, loads, ranks, start, isl)
-        order = ranks[start:] + ranks[:start]
-        weight = self.load_weight
-        miss = self._prefill(0, isl)  # every rank without a hit
-        if ranks is self._rank_list and type(loads) is list and len(loads) == len(ranks):
-            rank_loads = loads[start:] + loads[:start]  # order is the rotated range
-        else:
-            rank_loads = [loads[rank] for rank in order]
-        if hits:
-            prefill = self._prefills(hits, isl)
-            costs = [prefill.get(rank, miss) + weight * load for rank, load in zip(order, rank_loads, strict=True)]
-        else:
-            costs = [miss + weight * load for load in rank_loads]
-        best_cost = min(costs)
-        # First among equals in the rotated order (a strict "<" scan from infinity).
-        best = order[costs.index(best_cost)] if best_cost < math.inf else order[0]
-        best_matched = self._matched(hits[best], isl) if best in hits and best_cost < math.inf else 0
-        reason = REASON_CACHE_HIT if best_matched > 0 else REASON_NO_HIT
-        least_load = min(rank_loads)
-        if self._hotspot(loads[best] - least_load, sum(rank_loads) / len(order)):
-            best, reason = order[rank_loads.index(least_load)], REASON_HOTSPOT
-            best_matched = self._matched(hits[best], isl) if best in hits else 0
-            best_cost = self._prefill(best_matched, isl) + weight * loads[best]
-        npu, cpu, disk = hits.get(best, _NO_HIT)
-        return DispatchDecision(best, reason, isl, best_matched, npu, cpu, disk, float(loads[best]), float(best_cost))
-
-    def _decide_native(
-        self, hits: dict[int, tuple[int, int, int]], loads: Sequence[float], ranks: list[int], start: int, isl: int
-    ) -> DispatchDecision:
-        """The rest of :meth:`_decide` in one C call (``dispatch_score``, docs/native.md): the
-        same costs, ties, guard and figures as the Python lines it replaces."""
-        best, reason, matched, cost, load = hashing.NATIVE.dispatch_score(
-            hits,
-            loads,
-            ranks,
-            start,
-            isl,
-            self.block_size,
-            self.weights,
-            self.prefill_load_scale,
-            self.overlap_credit,
-            self.load_weight,
-            self.hotspot_spread,
-            self.hotspot_relative,
+        short = isl < self.block_size
+        # A prompt shorter than one block holds no block anywhere: the least loaded rank.
+        hits = {} if short else self._hits(token_ids, lora_name)
+        # Equal costs go to the first rank from a start the prompt fixes (the adapter computes
+        # the same), so distinct cold prompts spread over the ranks and both halves agree.
+        key = spread_key(token_ids, self.block_size) if spread is None else spread
+        best, reason, matched, cost, load = score_ranks(
+            hits, loads, ranks, spread_start(key, len(ranks)), isl, self.params
         )
         npu, cpu, disk = hits.get(best, _NO_HIT)
-        return DispatchDecision(best, _NATIVE_REASONS[reason], isl, matched, npu, cpu, disk, load, cost)
-
-    def _prefill(self, matched: int, isl: int) -> float:
-        """The prefill part of a rank's cost when it holds ``matched`` tokens."""
-        return self.prefill_load_scale * max(0.0, isl - self.overlap_credit * matched)
-
-    def _prefills(self, hits: dict[int, tuple[int, int, int]], isl: int) -> dict[int, float]:
-        """Prefill cost per rank with a hit; ranks sharing a hit tuple (the index hands one
-        object to every NPU-only rank ending at the same block) share one computation."""
-        out: dict[int, float] = {}
-        last: tuple[int, int, int] | None = None
-        cost = 0.0
-        for rank, hit in hits.items():
-            if hit is not last:
-                last = hit
-                cost = self._prefill(self._matched(hit, isl), isl)
-            out[rank] = cost
-        return out
+        why = REASON_SHORT_PROMPT if short and reason != 2 else _SCORE_REASONS[reason]
+        return DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost))
 
     def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
         """The candidate ranks with a load figure (the caller's list when all have one)."""
@@ -358,11 +324,6 @@ class CacheAwareDispatcher:
             return candidates
         return [r for r in candidates if 0 <= r < size]
 
-    def _matched(self, hit: tuple[int, int, int], isl: int) -> int:
-        w_npu, w_cpu, w_disk = self.weights
-        weighted = hit[0] * w_npu + hit[1] * w_cpu + hit[2] * w_disk
-        return min(round(weighted * self.block_size), isl)
-
     def _hits(self, token_ids: Sequence[int], lora_name: str | None) -> dict[int, tuple[int, int, int]]:
         """``rank -> (npu, cpu, disk)`` blocks of the prompt, for the ranks holding block 0.
         Its blocks are hashed as the index walk reaches them (in C when the helpers are
@@ -371,18 +332,12 @@ class CacheAwareDispatcher:
         seed = lora_seed(lora_name) if lora_name else BASE_SEED
         return self.index.longest_prefixes_tokens(self.instance, token_ids, seed=seed)
 
-    def _hotspot(self, spread: float, mean: float) -> bool:
-        """Whether the chosen rank, ``spread`` above the least loaded, is a hot spot."""
-        if spread <= 0 or (self.hotspot_spread is None and self.hotspot_relative is None):
-            return False
-        limit = 0.0
-        if self.hotspot_spread is not None:
-            limit = self.hotspot_spread
-        if self.hotspot_relative is not None:
-            limit = max(limit, self.hotspot_relative * mean)
-        return spread > limit
-
     # ------------------------------------------------------------------ metrics
+
+    def decision_counts(self) -> dict[str, int]:
+        """Decisions per reason since the start (the reasons seen so far)."""
+        with self._stats_lock:
+            return dict(self._counts)
 
     def stats(self) -> dict[str, Any]:
         """Decisions per reason (every reason present), matched tokens, index size."""

@@ -404,7 +404,21 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
         raise
     self.kvpub_fanin = fanin
     _attach_dispatch(self, kv_events_config, topology, fanin)
+    if fanin is not None:
+        _attach_load_reports(self, fanin)
     return result
+
+
+def _attach_load_reports(controller: Any, fanin: Any) -> None:
+    """The ranks' loads on the instance stream (wire.LoadReport), contained: without them the
+    router scores by hits alone, as before."""
+    try:
+        from sglang_kvpub.engine.dispatch_hook import CONTROLLER_ATTR
+        from sglang_kvpub.engine.load_report import attach_load_reports
+
+        attach_load_reports(controller, fanin, getattr(controller, CONTROLLER_ATTR, None))
+    except Exception as exc:
+        log.warning("sglang_kvpub: rank-load messages off: %r", exc)
 
 
 def _attach_dispatch(controller: Any, kv_events_config: str | None, topology: Any, fanin: Any | None) -> None:

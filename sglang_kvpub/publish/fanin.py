@@ -17,6 +17,14 @@ subscribers drop its stale blocks.  A rank silent (not even rank heartbeats) for
 ``rank_timeout_s`` is reported dead in the log and ``stats()``; the stream keeps serving
 the others.
 
+Rank loads.  With a load source (:meth:`FanIn.set_load_source`: the DP controller's view of
+every rank's load, wired by the plugin), every ``load_report_s`` the fan-in thread sends a
+``wire.LoadReport`` - a heartbeat-shaped message ``[ts, [], nil, RankLoads]`` with a seq like
+any other - when the figures changed since the last one, and unchanged ones every
+``heartbeat_s``.  Consumers that do not know it read
+a heartbeat.  Off the scheduler's path: the source reads figures the controller already
+holds.
+
 Replay (SGLang 0.5.23 protocol) on the ROUTER at ``replay_endpoint``: a DEALER sends
 ``[b"", start_seq]``; it gets ``[b"", topic, seq, payload]`` for every buffered batch
 with ``start_seq <= seq <= last seq at request time``, then ``[b"", b"", END_SEQ, b""]``.
@@ -88,6 +96,8 @@ from sglang_kvpub.wire import (
     BatchDecoder,
     BatchEncoder,
     EventBatch,
+    LoadReportCodec,
+    RankLoads,
     WireError,
     encode_seq,
     enrich_batch,
@@ -164,6 +174,10 @@ class FanIn(ReplayServer):
         self._puller: ChannelPuller | None = None
         self._packets: PacketListener | None = None  # the unixpkt:// channel instead of a PULL
         self._next_beat = self._next_liveness = 0.0  # loop timers (monotonic)
+        self._load_source: LoadSource | None = None
+        self._load_codec = LoadReportCodec()
+        self._last_loads: RankLoads | None = None
+        self._next_load = self._last_load_sent = 0.0
         self.pub_connects = False  # the PUB connects instead of binding (said in the start line)
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._rlog = RateLimitedLog(log, interval_s=None)  # first ten, then every thousandth
@@ -270,6 +284,35 @@ class FanIn(ReplayServer):
                 except Exception as exc:
                     self._counts["observer_errors"] += 1
                     self._rlog.warning("malformed", "kvpub fan-in: observer failed on rank %d: %r", dp_rank, exc)
+
+    def set_load_source(self, source: LoadSource | None) -> None:
+        """``source()`` -> the ranks' current :class:`~sglang_kvpub.wire.RankLoads` (or None:
+        nothing to say), called on the fan-in thread every ``config.load_report_s`` (0: never).
+        A source that raises is switched off (logged once, counted ``load_report_errors``)."""
+        self._load_source = source if self.config.load_report_s > 0 else None
+
+    def _report_loads(self, now: float) -> None:
+        """Sends the ranks' loads when they changed since the last report (fan-in thread)."""
+        self._next_load = now + self.config.load_report_s
+        source = self._load_source
+        if source is None:
+            return
+        try:
+            loads = source()
+        except Exception as exc:  # the engine's figures must never stop the stream
+            self._load_source = None
+            self._counts["load_report_errors"] += 1
+            log.warning("kvpub fan-in: the rank-load source failed (%r); rank-load messages switched off", exc)
+            return
+        if loads is None or (loads == self._last_loads and now - self._last_load_sent < self.config.heartbeat_s):
+            return  # unchanged figures are repeated every heartbeat, so a consumer can tell them fresh
+        self._last_loads, self._last_load_sent = loads, now
+        payload = self._load_codec.encode(time.time(), loads)
+        with self._lock:
+            if self._pub is None:
+                return
+            self._emit(payload)
+            self._counts["load_reports"] += 1
 
     # ------------------------------------------------------------------ ingest
 
@@ -492,11 +535,12 @@ class FanIn(ReplayServer):
         now = time.monotonic()
         # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
         jobs = self._jobs
+        next_timer = min(self._next_beat, self._next_load) if self._load_source is not None else self._next_beat
         if jobs:
             runnable = any(job.pending is None for job in jobs)
-            wait_s = 0.0 if runnable else min(max(0.0, self._next_beat - now), 0.01)
+            wait_s = 0.0 if runnable else min(max(0.0, next_timer - now), 0.01)
         else:
-            wait_s = min(max(0.0, self._next_beat - now), 0.1)
+            wait_s = min(max(0.0, next_timer - now), 0.1)
         if poller.sockets:
             ready = dict(poller.poll(int(wait_s * 1000)))
         else:
@@ -511,6 +555,8 @@ class FanIn(ReplayServer):
         if self._jobs:
             self._advance_jobs()
         now = time.monotonic()
+        if self._load_source is not None and now >= self._next_load:
+            self._report_loads(now)
         if now >= self._next_beat:
             self._heartbeat()
             self._next_beat = now + self.config.heartbeat_s
@@ -643,7 +689,10 @@ _COUNTERS = (
     "pub_dropped",
     "loop_errors",
     "observer_errors",
+    "load_reports",
+    "load_report_errors",
 )
 
 BatchObserver = Callable[[int, EventBatch | bytes], None]
 RestartObserver = Callable[[int], None]
+LoadSource = Callable[[], "RankLoads | None"]

@@ -17,6 +17,8 @@ import msgspec
 from sglang_kvpub.wire.contract import (
     _I64_MAX,
     _I64_MIN,
+    LOAD_REPORT_PREFIX,
+    MAX_LOAD_RANKS,
     MEDIUM_GPU,
     U64_MASK,
     AllBlocksCleared,
@@ -26,6 +28,8 @@ from sglang_kvpub.wire.contract import (
     EventBatch,
     EventEncoding,
     HashForm,
+    LoadReport,
+    RankLoads,
     WireError,
 )
 
@@ -40,6 +44,7 @@ __all__ = [
     "split_stored",
     "enrich_batch",
     "adopt_batch",
+    "LoadReportCodec",
 ]
 
 
@@ -519,3 +524,39 @@ def _adopt_medium(medium: Any, default: str) -> str:
     if medium is None:
         return default
     return medium if type(medium) is str else str(getattr(medium, "value", medium))
+
+
+# --------------------------------------------------------------------------- rank loads
+
+
+class LoadReportCodec:
+    """Encodes and recognises the rank-load message (``wire.LoadReport``, docs/wire.md).
+
+    :meth:`decode` returns None for every payload that is not one (a plain batch or
+    heartbeat: the first byte tells, no decoding) and raises :class:`WireError` for a
+    malformed one, which a consumer counts and skips like any bad payload."""
+
+    def __init__(self, max_payload_bytes: int = 1 << 20) -> None:
+        self.max_payload_bytes = max_payload_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(LoadReport)
+
+    def encode(self, ts: float, loads: RankLoads) -> bytes:
+        return self._encoder.encode(LoadReport(ts, [], None, loads))
+
+    def decode(self, payload: bytes | memoryview) -> LoadReport | None:
+        if payload[:1] != LOAD_REPORT_PREFIX:
+            return None
+        if len(payload) > self.max_payload_bytes:
+            raise WireError("payload too large", f"load report of {len(payload)} bytes")
+        try:
+            report = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError("bad load report", str(exc)[:80]) from exc
+        ranks = report.loads.ranks
+        if report.events or len(ranks) > MAX_LOAD_RANKS or len(report.loads.dispatch) > 64:
+            raise WireError("bad load report", f"{len(report.events)} events, {len(ranks)} ranks")
+        for rank in ranks:
+            if not 0 <= rank.dp_rank < MAX_LOAD_RANKS or not math.isfinite(rank.load_tokens):
+                raise WireError("bad load report", f"rank {rank.dp_rank} load {rank.load_tokens}")
+        return report

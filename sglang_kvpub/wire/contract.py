@@ -6,7 +6,9 @@ identifier).  Imports neither SGLang nor torch nor ZMQ.
 
 Live frames are ``[topic, seq (u64 big-endian), payload]``; the payload is a msgpack
 ``[ts, events, dp_rank]`` batch whose events are ``BlockStored``, ``BlockRemoved`` and
-``AllBlocksCleared``.
+``AllBlocksCleared``.  The rank-load message (:class:`LoadReport`) is a heartbeat with a
+fourth element: ``[ts, [], nil, RankLoads]`` - a consumer that does not know it reads a
+heartbeat (msgspec and our decoder ignore trailing array elements).
 
 The instance sequence number carries the publisher's epoch in its top bits
 (``seq = epoch << EPOCH_SHIFT | counter``): plain 3-frame decoders still see one
@@ -33,6 +35,11 @@ __all__ = [
     "AllBlocksCleared",
     "Event",
     "EventBatch",
+    "RankLoad",
+    "RankLoads",
+    "LoadReport",
+    "LOAD_REPORT_PREFIX",
+    "MAX_LOAD_RANKS",
     "WireError",
     "HashForm",
     "EventEncoding",
@@ -116,6 +123,50 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Event]
     dp_rank: Union[int, None] = None
+
+
+# --------------------------------------------------------------------------- rank loads
+
+
+class RankLoad(msgspec.Struct, array_like=True, gc=False):
+    """One rank's figures: ``[dp_rank, load_tokens, requests, cached_tokens_total, prefill_tokens_total]``.
+
+    ``load_tokens``: what the instance's dispatcher costs the rank with (SGLang's
+    ``num_total_tokens`` - KV tokens in use plus queued tokens - plus the dispatcher's own
+    commits since the rank's last snapshot).  ``requests``: running plus waiting.  The two
+    totals count from the rank's start: prompt tokens it served from its cache, and prompt
+    tokens it computed (SGLang's ``total_prefill_uncached_tokens``)."""
+
+    dp_rank: int
+    load_tokens: float
+    requests: int = 0
+    cached_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+
+
+class RankLoads(msgspec.Struct, tag=True, gc=False):
+    """The fourth element of a :class:`LoadReport`: a map ``{"type": "RankLoads", ...}``.
+
+    ``ranks``: one entry per rank that has a figure; ``dispatch``: the instance dispatcher's
+    decisions per reason since its start (``cache_hit``, ``no_hit``, ...); ``period_s``:
+    how often the fan-in sends the message (a consumer may treat older figures as stale)."""
+
+    ranks: list[RankLoad]
+    dispatch: dict[str, int] = {}
+    period_s: float = 0.0
+
+
+class LoadReport(msgspec.Struct, array_like=True, gc=False):
+    """``[ts, [], nil, RankLoads]``: a heartbeat to every consumer that does not know it."""
+
+    ts: float
+    events: list[Event]
+    dp_rank: Union[int, None]
+    loads: RankLoads
+
+
+LOAD_REPORT_PREFIX = b"\x94"  # msgpack fixarray of 4: the only payload shape a load report has
+MAX_LOAD_RANKS = 4096  # bounds what a consumer keeps per instance
 
 
 # --------------------------------------------------------------------------- frames

@@ -75,8 +75,16 @@ def test_the_same_long_prompt_twice_is_scored_by_motor_and_served_from_the_holdi
     assert [s.matched for s in cold.scores] == [0], cold.scores  # Motor scored it, a miss
     holder = cold.served_rank
     assert holder is not None and cold.cached_tokens == 0, cold.prefills
-    entry = rig.wait_for_hit(ids)  # the instance stream carried request 1's blocks to the adapter
-    assert entry["dp_detail"]["0"]["engine_dp_rank"] == holder, entry
+    rig.wait_for_hit(ids)  # the instance stream carried request 1's blocks to the adapter
+
+    def scores_the_holder() -> dict[str, Any] | None:
+        # The adapter scores the rank that would serve: the holder once the rank-load message
+        # shows it idle again (it may still count request 1 for a report or two).
+        entry = rig.adapter_hit(ids)
+        return entry if entry and entry["dp_detail"]["0"]["engine_dp_rank"] == holder else None
+
+    entry = rig.wait_for(scores_the_holder, "the adapter scoring the holding rank", 30.0)
+    assert entry["dp_detail"]["0"].get("scored_rank") == holder, entry  # the rank-load message reached it
 
     hot = rig.complete(prompt)
     assert hot.status == 200, hot.body

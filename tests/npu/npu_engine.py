@@ -105,8 +105,10 @@ class StreamRecorder:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._decoder = wire.BatchDecoder()
+        self._loads_codec = wire.LoadReportCodec()
         self._lock = threading.Lock()
         self._batches: list[tuple[int, wire.EventBatch]] = []
+        self.load_reports: list[wire.LoadReport] = []  # the rank-load messages (docs/wire.md)
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpub-recorder", daemon=True)
@@ -119,6 +121,10 @@ class StreamRecorder:
             try:
                 _, seq, payload = wire.parse_live_frames(self._sub.recv_multipart())
                 batch = self._decoder.decode(payload)
+                report = None if batch.events else self._loads_codec.decode(payload)
+                if report is not None:
+                    with self._lock:
+                        self.load_reports.append(report)
             except wire.WireError:
                 self.errors += 1
                 continue

@@ -140,6 +140,16 @@ def test_a_one_instance_stream_carries_both_ranks_tagged(rig: Rig) -> None:
     stores = [e for _, b in rig.recorder.snapshot() for e in b.events if isinstance(e, wire.BlockStored)]
     assert stores and all(e.medium == wire.MEDIUM_GPU and e.block_size == PAGE for e in stores)
 
+    def loads_of_both_ranks(_: Any) -> None:
+        # The DP controller's rank-load message (issue 33): every rank, with what it computed.
+        reports = list(rig.recorder.load_reports)
+        assert reports, "no rank-load message on the instance stream"
+        ranks = {r.dp_rank: r for r in reports[-1].loads.ranks}
+        assert set(ranks) == set(range(DP)), ranks
+        assert all(r.prefill_tokens_total > 0 for r in ranks.values()), ranks
+
+    rig.recorder.wait_for(loads_of_both_ranks, timeout=60)
+
 
 def test_repeated_long_prompt_lands_on_the_holding_rank_with_cached_tokens(rig: Rig) -> None:
     """Issue #21 point 2: cache-aware dispatch (the plugin's default) sends every repeat to

@@ -1,0 +1,126 @@
+"""Each followed instance's rank loads, learned from its stream's rank-load messages.
+
+The plugin's fan-in sends ``wire.LoadReport`` (docs/wire.md, "Rank loads") when the ranks'
+figures change and at least every heartbeat; the stream subscriber hands each live one to
+:meth:`RankLoadBook.apply`.  ``/query`` reads :meth:`RankLoadBook.get` to score an instance by
+the rank that would serve the request.  An instance whose last report is older than
+``stale_after_s`` (or that never sent one: an engine without the plugin, or an older plugin)
+has no loads: it is scored by its longest hit, as before.
+
+Writers are the subscriber threads, readers the HTTP loop: each instance's figures are one
+immutable :class:`InstanceLoads`, replaced whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+from sglang_kvpub import wire
+
+__all__ = ["InstanceLoads", "RankLoadBook", "STALE_AFTER_S"]
+
+STALE_AFTER_S = 5.0  # the fan-in repeats unchanged figures every heartbeat (1 s by default)
+_COMMITTED_MAX = 65_536  # prompts committed between two reports of one instance (bounded)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceLoads:
+    """One instance's last report: per rank (indexed by rank, 0 where a rank sent nothing)."""
+
+    received: float  # monotonic time of receipt
+    sent: float  # the fan-in's wall time
+    loads: tuple[float, ...]
+    requests: tuple[int, ...]
+    cached_tokens_total: tuple[int, ...]
+    prefill_tokens_total: tuple[int, ...]
+    dispatch: Mapping[str, int]
+    period_s: float
+    version: int  # increases with every report the book applies (any instance)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.loads)
+
+
+class RankLoadBook:
+    """The latest :class:`InstanceLoads` per instance id (the index's instance: the stream URL)."""
+
+    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
+        self.stale_after_s = stale_after_s
+        self._by_instance: dict[str, InstanceLoads] = {}
+        # Tokens committed to a rank by /query answers since the instance's last report (the
+        # rank the answer made Motor pick): Motor's own committed-tokens idea, so a burst of
+        # requests between two reports does not all score the same idle rank.
+        self._commits: dict[str, dict[int, float]] = {}
+        self._committed: dict[str, set[int]] = {}  # prompts committed since the last report
+        self._version = 0
+        self.reports = 0
+
+    def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
+        """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
+        ranks = report.loads.ranks
+        size = max((r.dp_rank for r in ranks), default=-1) + 1
+        loads, requests, cached, prefill = [0.0] * size, [0] * size, [0] * size, [0] * size
+        for r in ranks:
+            loads[r.dp_rank] = max(0.0, float(r.load_tokens))
+            requests[r.dp_rank] = r.requests
+            cached[r.dp_rank] = r.cached_tokens_total
+            prefill[r.dp_rank] = r.prefill_tokens_total
+        self._version += 1
+        self.reports += 1
+        self._commits.pop(instance, None)  # the new figures include what was committed before them
+        self._committed.pop(instance, None)
+        self._by_instance[instance] = InstanceLoads(
+            time.monotonic() if now is None else now,
+            report.ts,
+            tuple(loads),
+            tuple(requests),
+            tuple(cached),
+            tuple(prefill),
+            dict(report.loads.dispatch),
+            report.loads.period_s,
+            self._version,
+        )
+
+    def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
+        """The instance's figures, or None when it has none or they are stale."""
+        found = self._by_instance.get(instance)
+        if found is None:
+            return None
+        if (time.monotonic() if now is None else now) - found.received > self.stale_after_s:
+            return None
+        return found
+
+    def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
+        """``figures.loads`` plus what was committed to each rank since that report."""
+        extra = self._commits.get(instance)
+        if not extra:
+            return figures.loads
+        loads = list(figures.loads)
+        for rank, tokens in extra.items():
+            if rank < len(loads):
+                loads[rank] += tokens
+        return tuple(loads)
+
+    def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
+        """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
+        prompt asked again before the next report (a retry, a tool polling ``/query``) is
+        committed once: Motor asks once per request."""
+        if tokens <= 0:
+            return
+        seen = self._committed.setdefault(instance, set())
+        if prompt in seen or len(seen) >= _COMMITTED_MAX:
+            return
+        seen.add(prompt)
+        extra = self._commits.setdefault(instance, {})
+        extra[rank] = extra.get(rank, 0.0) + tokens
+
+    def forget(self, instance: str) -> None:
+        self._by_instance.pop(instance, None)
+        self._commits.pop(instance, None)
+
+    def items(self) -> list[tuple[str, InstanceLoads]]:
+        """Every instance's last figures, stale ones included (metrics show what was last said)."""
+        return list(self._by_instance.items())
