@@ -1,6 +1,6 @@
 """Cache-aware dispatch on a PD prefill (issue 31): which load-balance method SGLang runs.
 
-Unit: :func:`sglang_kvpub.engine.load_balance.plan_dispatch` and ``sglang-kvpub check-config``.
+Unit: :func:`sglang_kvpub.core.load_balance.plan_dispatch` and ``sglang-kvpub check-config``.
 Integration: SGLang 0.5.23's real argument parsing, resolution and ``check_server_args`` in
 fresh interpreters, on every launch path (``--plugin``, ``sglang serve``, the env var,
 Motor's engine-server parse), reading back what SGLang's processes will be published.
@@ -20,8 +20,8 @@ import pytest
 from sglang_real import requires_sglang_full
 from test_plugin import run_script
 
+from sglang_kvpub.core.load_balance import FOLLOW_BOOTSTRAP_ROOM, plan_dispatch
 from sglang_kvpub.engine import guard, plugin, sglang_compat
-from sglang_kvpub.engine.load_balance import FOLLOW_BOOTSTRAP_ROOM, plan_dispatch
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 

@@ -43,8 +43,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sglang_kvpub.config import ConfigError, PluginConfig
+from sglang_kvpub.core.load_balance import DispatchPlan, plan_dispatch
 from sglang_kvpub.engine import guard, sglang_compat, tree_cores
-from sglang_kvpub.engine.load_balance import DispatchPlan, plan_dispatch
 
 __all__ = [
     "PLUGIN_NAME",
@@ -284,7 +284,7 @@ def dispatch_plan(
 def _check_server_args_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
     """On a PD prefill with ``--load-balance-method auto``, declare round_robin so that the
     plugin dispatches and the decode asks the bootstrap server for the rank
-    (engine/load_balance.py).  Contained: a failure leaves SGLang's method, and the DP
+    (core/load_balance.py).  Contained: a failure leaves SGLang's method, and the DP
     controller then says dispatch is off."""
     result = original(self, *args, **kwargs)
     if not is_enabled() or guard.disabled(guard.DISPATCH):

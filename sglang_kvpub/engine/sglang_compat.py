@@ -215,7 +215,7 @@ def controller_topology() -> Topology:
 
 @dataclasses.dataclass(frozen=True)
 class LoadBalanceInputs:
-    """What decides the DP controller's method (engine/load_balance.py), from a ServerArgs."""
+    """What decides the DP controller's method (core/load_balance.py), from a ServerArgs."""
 
     requested_method: str  # the operator's --load-balance-method (raw input; "auto" unless given)
     resolved_method: str | None  # what resolution made of it (None: not resolved)

@@ -16,8 +16,8 @@ import argparse
 import json
 
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.core.load_balance import plan_dispatch
 from sglang_kvpub.engine import tree_cores
-from sglang_kvpub.engine.load_balance import plan_dispatch
 
 __all__ = ["add_parser", "run", "report"]
 
@@ -50,7 +50,7 @@ def report(
     disaggregation_mode: str = "null",
     load_balance_method: str = "auto",
 ) -> dict[str, object]:
-    """The validated settings, whether dispatch is on (engine/load_balance.py) and the tree
+    """The validated settings, whether dispatch is on (core/load_balance.py) and the tree
     core's guarantees; raises ConfigError."""
     from sglang_kvpub.engine.plugin import validate_launch
 

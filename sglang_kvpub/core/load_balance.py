@@ -16,7 +16,8 @@ chose.  An explicit ``--load-balance-method follow_bootstrap_room`` is the opera
 choice: dispatch stays off and says so (start line, ``/server_info``, ``check-config``).
 
 Pure: no SGLang import; :func:`plan_dispatch` is called by the launcher hook
-(engine/plugin.py), the DP controller, ``/server_info`` and ``sglang-kvpub check-config``.
+(engine/plugin.py), the DP controller, ``/server_info``, ``sglang-kvpub check-config`` and
+``motor-kv-adapter check-config`` (motor_adapter/config_check.py).
 See docs/dispatch.md ("PD prefill and decode").
 """
 
