@@ -114,6 +114,8 @@ TARGETS: tuple[Target, ...] = (
     Target("e2e", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e", "motor_scored_hit_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
+    Target("e2e_pd", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
+    Target("e2e_pd", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _CONVERSATION)),
     Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(("policy", "fold_pinned"), _SYNTHETIC)),
 )
