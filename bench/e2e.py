@@ -231,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the report's PD shape (bench/pd_rig.py: Motor pd_dual_dispatch, 2 prefills x dp 2 + 1 decode, "
         "Mooncake TCP): the plugin's dispatch vs SGLang's PD default (follow_bootstrap_room)",
     )
+    parser.add_argument("--work-dir", default=None, help="keep the processes' logs here (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.prompts, args.repeats = 256, 2, 1
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rig_line = _pd_rig_line if args.pd else _rig_line
     prompts = [e2e_rig.prompt_text(1000 + n, args.prompt_words) for n in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="kvpub-bench-e2e-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work_dir) if args.work_dir else Path(tmp)
         model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden)
         for label in labels:
             emit(with_targets(rig_line(label, args, work, model, prompts)))

@@ -132,6 +132,27 @@ def test_the_controller_attaches_only_under_a_method_it_hooks(
     assert not any(guard.stats()["failures"].values())
 
 
+@pytest.mark.unit
+def test_the_launcher_hook_switches_once_and_a_failure_never_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    guard.reset()
+    monkeypatch.setenv(plugin.ENABLED_ENV, "1")
+    args = types.SimpleNamespace(
+        load_balance_method="auto", disaggregation_mode="prefill", dp_size=2, kv_events_config='{"publisher": "zmq"}'
+    )
+    declared: list[str] = []
+    monkeypatch.setattr(sglang_compat, "declare_load_balance_method", lambda a, method: declared.append(method))
+    assert plugin._check_server_args_hook(lambda self: "checked", args) == "checked"
+    assert declared == ["round_robin"]
+
+    def broken(a: Any, method: str) -> None:
+        raise RuntimeError("published already")
+
+    monkeypatch.setattr(sglang_compat, "declare_load_balance_method", broken)
+    assert plugin._check_server_args_hook(lambda self: "checked", args) == "checked"  # SGLang's check still ran
+    assert guard.stats()["failures"][guard.DISPATCH] == 1 and guard.disabled(guard.DISPATCH)
+    guard.reset()
+
+
 # =========================================================================== integration
 
 LAUNCH_BODY = """
