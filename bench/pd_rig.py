@@ -206,6 +206,12 @@ class PdRig:
                 args += [f"--{key}", str(value)]
         return args
 
+    # The three servers start side by side: on CPU SGLang sizes its KV budget from the memory
+    # it sees free before and after loading the weights, and the others' loads in between
+    # count against it ("Loaded weights leave no GPU memory for the KV cache under
+    # --mem-fraction-static=0.1" with a 2x2048 model).  --max-total-tokens still sets the pool.
+    _MEM_FRACTION = ("--mem-fraction-static", "0.3")
+
     def _common_env(self, section: str) -> dict[str, str]:
         env = {k: str(v) for k, v in self.engine_env.get(section, {}).items()}
         env["KVPUB_CPU_PD_PATCHES"] = "1"  # bench/cpu_shims/pd_patches.py (CPU only)
@@ -221,6 +227,7 @@ class PdRig:
         args += ["--served-model-name", self.model_name, "--enable-cache-report", "--sleep-on-idle"]
         args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         args += ["--disaggregation-transfer-backend", "mooncake_tcp"]  # Mooncake's engine over TCP (CPU here)
+        args += self._MEM_FRACTION
         env = self._common_env("motor_engine_prefill_env")
         # CPU only: the cached-prefix early send records a CUDA event (docs/testing.md).
         env["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "0"
@@ -247,7 +254,7 @@ class PdRig:
         args = self._engine_args(decode_engine["engine_config"], ("served-model-name",))
         args += ["--served-model-name", self.model_name, "--sleep-on-idle", "--decode-log-interval", "1"]
         args += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]  # CPU only: the default asserts CUDA
-        args += ["--disaggregation-transfer-backend", "mooncake_tcp"]
+        args += ["--disaggregation-transfer-backend", "mooncake_tcp", *self._MEM_FRACTION]
         return sglang_server.ServerSpec(
             model_path=spec.model_dir,
             log_path=spec.work_dir / "decode.log",

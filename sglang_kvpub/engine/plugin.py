@@ -511,7 +511,10 @@ def _describe_hook(result: dict[str, Any] | None, *args: Any, **kwargs: Any) -> 
             described["tree_core"] = tree_cores.describe(tree_cores.predict_core(device))
             described["plugin_failures"] = guard.stats()["failures"]
             if server_args is not None:
-                described["dp_dispatch"] = dispatch_plan(server_args).as_dict()
+                plan = dispatch_plan(server_args).as_dict()
+                if guard.disabled(guard.DISPATCH):  # the launcher's switch failed here (contained)
+                    plan.update(on=False, reason="a contained plugin failure switched dispatch off (see the log)")
+                described["dp_dispatch"] = plan
         return described
     except Exception as exc:
         guard.fail(guard.DESCRIBE, exc)
