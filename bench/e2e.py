@@ -186,7 +186,7 @@ def _pd_rig_line(
         "topology": f"{len(pd_rig.PREFILL_HOSTS)} prefill x dp {spec.dp_size} + 1 decode, Motor pd_dual_dispatch",
         "transfer": "mooncake_tcp",
         "tree_core": args.tree_core,
-        "model": f"llama dummy {args.layers}x{args.hidden}",
+        "model": f"llama dummy {args.layers}x{args.hidden}, {args.kv_heads or 1} kv heads of 4",
         "prompt_tokens": prompt_tokens,
         "page_size": args.page_size,
         "prompts": len(prompts),
@@ -231,6 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the report's PD shape (bench/pd_rig.py: Motor pd_dual_dispatch, 2 prefills x dp 2 + 1 decode, "
         "Mooncake TCP): the plugin's dispatch vs SGLang's PD default (follow_bootstrap_room)",
     )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=0,
+        help="key/value heads of the 4 attention heads (default 4; --pd: 1, grouped-query attention: a hot PD "
+        "request still ships its whole KV to the decode, and the report's models move a small KV per token)",
+    )
     parser.add_argument("--work-dir", default=None, help="keep the processes' logs here (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -246,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [e2e_rig.prompt_text(1000 + n, args.prompt_words) for n in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="kvpub-bench-e2e-") as tmp:
         work = Path(args.work_dir) if args.work_dir else Path(tmp)
-        model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden)
+        kv_heads = args.kv_heads or (1 if args.pd else 4)
+        model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden, kv_heads=kv_heads)
         for label in labels:
             emit(with_targets(rig_line(label, args, work, model, prompts)))
     return 0

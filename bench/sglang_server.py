@@ -78,8 +78,12 @@ _CORPUS = (
 )
 
 
-def make_model_dir(path: Path, *, layers: int = 2, hidden: int = 64, max_positions: int = 8192) -> Path:
-    """A dummy-weight Llama with an offline byte-level BPE tokenizer (vocab ``VOCAB``)."""
+def make_model_dir(
+    path: Path, *, layers: int = 2, hidden: int = 64, max_positions: int = 8192, kv_heads: int = 4
+) -> Path:
+    """A dummy-weight Llama with an offline byte-level BPE tokenizer (vocab ``VOCAB``); 4
+    attention heads, ``kv_heads`` of them for keys and values (fewer: grouped-query attention,
+    a smaller KV per token, as the report's models have)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +94,7 @@ def make_model_dir(path: Path, *, layers: int = 2, hidden: int = 64, max_positio
         "intermediate_size": 2 * hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "num_key_value_heads": kv_heads,
         "head_dim": hidden // 4,
         "vocab_size": VOCAB,
         "max_position_embeddings": max_positions,
