@@ -174,6 +174,12 @@ def parse_like_motor(argv):
         return None, err.getvalue()[-600:]
 
 if PARAMS["motor"]:
+    documented, out["documented_parse"] = parse_like_motor(PARAMS["documented"])
+    out["documented_args"] = None if documented is None else {
+        "disaggregation_mode": documented.disaggregation_mode,
+        "disaggregation_bootstrap_port": documented.disaggregation_bootstrap_port,
+        "load_balance_method": documented.load_balance_method,
+    }
     _, out["motor_plugin_flag"] = parse_like_motor([*PARAMS["argv"], "--plugin", "sglang_kvpub"])
     _, out["motor_block_size"] = parse_like_motor([*PARAMS["argv"], "--block-size", "128"])
     motor_args, out["motor_parse"] = parse_like_motor(PARAMS["argv"])
@@ -206,6 +212,27 @@ if PARAMS["motor"]:
     out["motor"] = launch(motor_args)
 print(json.dumps(out))
 """
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
+
+
+def motor_engine_flags(engine_config: dict[str, Any], role: str) -> list[str]:
+    """What Motor's engine launcher makes of an engine_config (the 3.1 line's
+    ``motor/engine_server/core/sglang/sglang_config.py``: ``_`` -> ``-``, ``true`` -> a bare
+    flag, a dict -> JSON, plus its own ``--host``/``--port`` and the role's
+    ``--disaggregation-mode``)."""
+    flags: list[str] = []
+    config = {**engine_config, "host": "127.0.0.1", "port": 30000, "disaggregation-mode": role}
+    for key, value in config.items():
+        name = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [name] if value else []
+        elif isinstance(value, dict):
+            flags += [name, json.dumps(value)]
+        else:
+            flags += [name, str(value)]
+    return flags
 
 
 def _argv(model: Path, *extra: str) -> list[str]:
@@ -250,7 +277,8 @@ def test_launch_paths_with_the_plugin_flag_switch_a_pd_prefill_to_round_robin(mo
         ("plugin", [*argv, "--plugin", "sglang_kvpub"]),
         ("explicit_follow", [*argv, "--plugin", "sglang_kvpub", "--load-balance-method", FOLLOW_BOOTSTRAP_ROOM]),
     ]
-    out = run_script(LAUNCH_BODY, {"cases": cases, "argv": argv, "serve": True, "motor": False}, {}, timeout=280)
+    params = {"cases": cases, "argv": argv, "serve": True, "motor": False, "documented": []}
+    out = run_script(LAUNCH_BODY, params, {}, timeout=280)
     assert out["no_plugin"] == {"method": FOLLOW_BOOTSTRAP_ROOM, "raw": "auto", "dispatch": None}
     for path in ("plugin", "serve"):
         got = out[path]
@@ -267,8 +295,20 @@ def test_launch_paths_with_the_plugin_flag_switch_a_pd_prefill_to_round_robin(mo
 def test_the_env_var_path_and_motors_engine_parse_switch_it_too(model_dir: Path) -> None:
     argv = _argv(model_dir)
     cases = [("env", argv), ("env_decode", [*_argv(model_dir)[:-2], "--disaggregation-mode", "decode"])]
-    params = {"cases": cases, "argv": argv, "serve": False, "motor": True}
-    out = run_script(LAUNCH_BODY, params, {"SGLANG_KVPUB_ENABLED": "1"}, timeout=280)
+    example = json.loads((EXAMPLES / "motor_user_config.json").read_text())
+    env_config = json.loads((EXAMPLES / "motor_env_config.json").read_text())
+    documented = motor_engine_flags(example["motor_engine_prefill_config"]["engine_config"], "prefill")
+    params = {"cases": cases, "argv": argv, "serve": False, "motor": True, "documented": documented}
+    engine_env = {k: str(v) for k, v in env_config["motor_engine_prefill_env"].items()}
+    assert engine_env == {"SGLANG_KVPUB_ENABLED": "1"}  # the documented env config enables the plugin
+    out = run_script(LAUNCH_BODY, params, engine_env, timeout=280)
+    # The documented prefill engine_config passes Motor's engine-server parse as it is.
+    assert out["documented_parse"] == "", out["documented_parse"]
+    assert out["documented_args"] == {
+        "disaggregation_mode": "prefill",
+        "disaggregation_bootstrap_port": 8998,
+        "load_balance_method": "auto",  # left to SGLang: the plugin switches it
+    }
     for path in ("env", "motor"):
         assert {k: out[path][k] for k in ("method", "raw")} == ROUND_ROBIN_ON, path
         assert out[path]["dispatch"]["on"] is True
