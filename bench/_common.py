@@ -132,6 +132,8 @@ TARGETS: tuple[Target, ...] = (
             Target("routing", "ttft_p90_s", "<=", "oracle_ttft_p90_s", factor=1.1, where=(_DEFAULT, workload)),
         )
     ),
+    Target("e2e_pd", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
+    Target("e2e_pd", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
 )
 
 

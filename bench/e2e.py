@@ -24,6 +24,16 @@ at a time through Motor's ``/v1/completions``.  Per rig, one JSON line: Motor's 
 (``repeats_cached_fraction``: target 1.0 with cache-aware dispatch, about 1/dp_size with
 round robin), and ``hot_over_cold`` = median repeat time / median cold time (target <= 0.3;
 the report saw ~9 s -> ~2 s).  Times are whole requests as a client sees them through Motor.
+
+``--pd``: the report's shape (bench/pd_rig.py): Motor's ``pd_dual_dispatch`` in front of two
+PD prefill instances (``--dp-size 2``, the plugin) and one decode, KV over Mooncake's transfer
+engine on TCP.  Two rigs, one after the other: ``cache_aware`` (the plugin's dispatch; it
+makes the prefill's ``auto`` method ``round_robin`` and the decode asks the bootstrap server
+for the rank) and ``sglang_pd_default`` (``dp_dispatch: "default"``: the prefill keeps
+SGLang's ``follow_bootstrap_room``, rank = Motor's random room % dp_size).  One ``e2e_pd``
+line each: Motor's scores, the repeats served from the holding rank's cache
+(``repeats_cached_fraction``, target 1.0) and ``hot_over_cold`` (target <= 0.3); a hot
+request still ships its whole KV to the decode, over TCP here.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ import sglang_server
 from _common import emit, percentile, with_targets
 
 POLICIES = {"cache_aware": "cache_aware", "round_robin": "default"}  # bench label -> plugin dp_dispatch
+# --pd: the plugin's dispatch (SGLang's auto made round_robin) vs SGLang's PD default
+# (dp_dispatch "default": the prefill keeps follow_bootstrap_room, rank = Motor's random room % dp).
+PD_POLICIES = {"cache_aware": "cache_aware", "sglang_pd_default": "default"}
 
 
 def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, prompts: Sequence[str]) -> dict[str, Any]:
@@ -111,6 +124,87 @@ def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, pro
     }
 
 
+def _pd_rig_line(
+    label: str, args: argparse.Namespace, work: Path, model: Path, prompts: Sequence[str]
+) -> dict[str, Any]:
+    """The report's shape: Motor's pd_dual_dispatch -> 2 prefills x dp 2 + 1 decode (bench/pd_rig.py)."""
+    import pd_rig
+
+    spec = pd_rig.PdRigSpec(
+        work_dir=work / f"pd-{label}",
+        model_dir=model,
+        dispatch=PD_POLICIES[label],
+        tree_core=args.tree_core,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        decode_max_total_tokens=args.max_total_tokens,
+    )
+    cold_s: list[float] = []
+    hot_s: list[float] = []
+    served_from_cache = scored_hits = repeats = errors = 0
+    on_holder = 0
+    with pd_rig.PdRig(spec) as rig:
+        ready_s = rig.timings.get("ready_s", 0.0)
+        for warmup in range(spec.dp_size):  # first long forward of the ranks Motor's tie-break picks
+            rig.complete(e2e_rig.prompt_text(900 + warmup, args.prompt_words), max_tokens=args.max_tokens)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model))
+        prompt_tokens = 0
+        for prompt in prompts:
+            ids = tokenizer(prompt)["input_ids"]
+            prompt_tokens = prompt_tokens or len(ids)
+            full = len(ids) // args.page_size * args.page_size
+            cold = rig.complete(prompt, max_tokens=args.max_tokens)
+            errors += cold.status != 200 or cold.completion_tokens == 0
+            cold_s.append(cold.seconds)
+            holder = cold.served
+            rig.wait_for(
+                lambda ids=ids, holder=holder, full=full: (
+                    holder is not None
+                    and int(rig.adapter_query(ids).get(f"vllm-prefill-{holder[0]}", {}).get("longest_matched", 0))
+                    >= full
+                ),
+                "the adapter's hit on the cold prompt",
+            )
+            for _ in range(args.repeats):
+                hot = rig.complete(prompt, max_tokens=args.max_tokens)
+                errors += hot.status != 200 or hot.completion_tokens == 0
+                hot_s.append(hot.seconds)
+                repeats += 1
+                served_from_cache += hot.cached_tokens >= full > 0
+                scored_hits += bool(hot.scores and hot.scores[-1].matched > 0)
+                on_holder += hot.served == holder
+                time.sleep(args.gap_s)  # a think time between a user's turns, not synchronisation
+    cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)
+    return {
+        "bench": "e2e_pd",
+        "dispatch": label,
+        "prefill_load_balance_method": "round_robin (auto, switched by the plugin)"
+        if label == "cache_aware"
+        else "follow_bootstrap_room (SGLang's PD default)",
+        "topology": f"{len(pd_rig.PREFILL_HOSTS)} prefill x dp {spec.dp_size} + 1 decode, Motor pd_dual_dispatch",
+        "transfer": "mooncake_tcp",
+        "tree_core": args.tree_core,
+        "model": f"llama dummy {args.layers}x{args.hidden}, {args.kv_heads or 1} kv heads of 4",
+        "prompt_tokens": prompt_tokens,
+        "page_size": args.page_size,
+        "prompts": len(prompts),
+        "repeats": repeats,
+        "motor_scored_hit_fraction": round(scored_hits / repeats, 3),
+        "repeats_on_holding_rank_fraction": round(on_holder / repeats, 3),
+        "repeats_cached_fraction": round(served_from_cache / repeats, 3),
+        "cold_s_median": round(cold_med, 3),
+        "hot_s_median": round(hot_med, 3),
+        "hot_s_p90": round(percentile(hot_s, 90), 3),
+        "hot_over_cold": round(hot_med / cold_med, 3) if cold_med else None,
+        "cold_s": [round(v, 3) for v in cold_s],
+        "hot_s": [round(v, 3) for v in hot_s],
+        "errors": errors,
+        "rig_ready_s": round(ready_s, 1),
+    }
+
+
 def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -127,8 +221,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--gap-s", type=float, default=0.5)
     parser.add_argument("--tree-core", default="rust", choices=("rust", "python"))
-    parser.add_argument("--dispatch", default="both", choices=("cache_aware", "round_robin", "both"))
+    parser.add_argument(
+        "--dispatch", default="both", choices=("cache_aware", "round_robin", "sglang_pd_default", "both")
+    )
     parser.add_argument("--quick", action="store_true", help="a small model and 2 prompts (a smoke run)")
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="the report's PD shape (bench/pd_rig.py: Motor pd_dual_dispatch, 2 prefills x dp 2 + 1 decode, "
+        "Mooncake TCP): the plugin's dispatch vs SGLang's PD default (follow_bootstrap_room)",
+    )
+    parser.add_argument(
+        "--kv-heads",
+        type=int,
+        default=0,
+        help="key/value heads of the 4 attention heads (default 4; --pd: 1, grouped-query attention: a hot PD "
+        "request still ships its whole KV to the decode, and the report's models move a small KV per token)",
+    )
+    parser.add_argument("--work-dir", default=None, help="keep the processes' logs here (default: a temporary dir)")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.prompts, args.repeats = 256, 2, 1
@@ -137,13 +247,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         emit({"bench": "e2e", "skipped": f"needs {', '.join(missing)} (.ci/requirements-*.txt)"})
         return 0
     signal.signal(signal.SIGTERM, _stop)  # a stopped bench tears its servers down (context managers)
-    labels = list(POLICIES) if args.dispatch == "both" else [args.dispatch]
+    policies = PD_POLICIES if args.pd else POLICIES
+    labels = list(policies) if args.dispatch == "both" else [args.dispatch]
+    rig_line = _pd_rig_line if args.pd else _rig_line
     prompts = [e2e_rig.prompt_text(1000 + n, args.prompt_words) for n in range(args.prompts)]
     with tempfile.TemporaryDirectory(prefix="kvpub-bench-e2e-") as tmp:
-        work = Path(tmp)
-        model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden)
+        work = Path(args.work_dir) if args.work_dir else Path(tmp)
+        kv_heads = args.kv_heads or (1 if args.pd else 4)
+        model = sglang_server.make_model_dir(work / "model", layers=args.layers, hidden=args.hidden, kv_heads=kv_heads)
         for label in labels:
-            emit(with_targets(_rig_line(label, args, work, model, prompts)))
+            emit(with_targets(rig_line(label, args, work, model, prompts)))
     return 0
 
 

@@ -145,6 +145,7 @@ def motor_config_from_example(
     path (Motor's tokenizer reads it), ports, dp/page size, and the deploy mode the installed
     Motor scores with (``topology()``); the hardware-only engine keys are dropped."""
     config = copy.deepcopy(dict(example))
+    config["motor_deploy_config"]["p_instances_num"] = 1  # this rig runs one instance (the example: 2P1D)
     mode, _role = topology()
     coordinator = config["motor_coordinator_config"]
     coordinator["scheduler_config"]["deploy_mode"] = mode

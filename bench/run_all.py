@@ -2,7 +2,7 @@
 
     python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
-Each bench (wire, fanin, residency, index, service, dispatch, server, e2e, routing) runs as a
+Each bench (wire, fanin, residency, index, service, dispatch, server, e2e, e2e_pd, routing) runs as a
 subprocess of this interpreter from the repository root, with a timeout; a bench script that
 does not exist yet is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
 Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
@@ -68,6 +68,10 @@ BENCHES: tuple[Bench, ...] = (
     Bench("server", "bench/server.py", quick=(("--quick", None),), min_timeout_s=3600.0),
     # Motor's real coordinator in front of a real SGLang server with the plugin; minutes too.
     Bench("e2e", "bench/e2e.py", quick=(("--prompts", "1"), ("--repeats", "1")), min_timeout_s=1800.0),
+    # The report's PD shape: Motor pd_dual_dispatch, 2 prefills x dp 2 + a decode over Mooncake TCP.
+    Bench(
+        "e2e_pd", "bench/e2e.py", args=("--pd",), quick=(("--prompts", "1"), ("--repeats", "1")), min_timeout_s=2400.0
+    ),
     Bench(
         "routing",
         "bench/routing.py",

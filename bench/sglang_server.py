@@ -78,8 +78,12 @@ _CORPUS = (
 )
 
 
-def make_model_dir(path: Path, *, layers: int = 2, hidden: int = 64, max_positions: int = 8192) -> Path:
-    """A dummy-weight Llama with an offline byte-level BPE tokenizer (vocab ``VOCAB``)."""
+def make_model_dir(
+    path: Path, *, layers: int = 2, hidden: int = 64, max_positions: int = 8192, kv_heads: int = 4
+) -> Path:
+    """A dummy-weight Llama with an offline byte-level BPE tokenizer (vocab ``VOCAB``); 4
+    attention heads, ``kv_heads`` of them for keys and values (fewer: grouped-query attention,
+    a smaller KV per token, as the report's models have)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -90,7 +94,7 @@ def make_model_dir(path: Path, *, layers: int = 2, hidden: int = 64, max_positio
         "intermediate_size": 2 * hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": 4,
-        "num_key_value_heads": 4,
+        "num_key_value_heads": kv_heads,
         "head_dim": hidden // 4,
         "vocab_size": VOCAB,
         "max_position_embeddings": max_positions,
@@ -155,6 +159,8 @@ class ServerSpec:
     shim_dir: Path | None = None
     extra_paths: Sequence[Path] = ()  # before shim_dir on PYTHONPATH (bench/server_probe)
     device: str = "cpu"
+    host: str = "127.0.0.1"  # HTTP and the instance stream bind here (PD: 127.0.0.2 for a second prefill)
+    kv_events: bool = True  # False: no --kv-events-config (a PD decode)
 
     def assign_ports(self) -> None:
         """Free ports for whatever is 0: kv and replay blocks of dp_size (SGLang offsets by rank)."""
@@ -167,18 +173,18 @@ class ServerSpec:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     @property
     def stream_endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.kv_port}"
+        return f"tcp://{self.host}:{self.kv_port}"
 
     def kv_events_config(self) -> str:
         config: dict[str, Any] = {
             "publisher": "zmq",
-            "endpoint": f"tcp://127.0.0.1:{self.kv_port}",
+            "endpoint": f"tcp://{self.host}:{self.kv_port}",
             "bind": True,
-            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
+            "replay_endpoint": f"tcp://{self.host}:{self.replay_port}",
             "topic": TOPIC,
         }
         config.update(self.kv_events_extra)
@@ -196,7 +202,7 @@ class ServerSpec:
             "--device",
             self.device,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.http_port),
             "--dp-size",
@@ -205,10 +211,10 @@ class ServerSpec:
             str(self.page_size),
             "--max-total-tokens",
             str(self.max_total_tokens),
-            "--kv-events-config",
-            self.kv_events_config(),
             "--skip-server-warmup",
         ]
+        if self.kv_events:
+            cmd += ["--kv-events-config", self.kv_events_config()]
         if self.device == "cpu":
             cmd += [
                 # float32: "auto" runs this float32 config in float16, which this CPU class has

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 from urllib.parse import urlsplit
 
 from motor_adapter.scoring import ConfigError, KvAffinityConfig
+from sglang_kvpub.core.load_balance import plan_dispatch
 
 __all__ = ["Finding", "check_config", "load_config_file", "sglang_page_size"]
 
@@ -138,12 +139,17 @@ def sglang_page_size(launch_args: str) -> Union[int, None]:
 
 
 def check_config(
-    config: Any, env: Union[Mapping[str, str], None] = None, sglang_args: Union[str, None] = None
+    config: Any,
+    env: Union[Mapping[str, str], None] = None,
+    sglang_args: Union[str, None] = None,
+    env_config: Any = None,
 ) -> list[Finding]:
     """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter.
 
     ``sglang_args``: the SGLang launch command line when SGLang is started outside Motor; its
-    ``--page-size`` is checked against the ``block-size`` Motor sends.
+    ``--page-size`` is checked against the ``block-size`` Motor sends.  ``env_config``: Motor's
+    env config (``env.json``), where ``motor_engine_prefill_env`` enables the plugin
+    (``SGLANG_KVPUB_ENABLED=1``) and ``motor_coordinator_env`` holds the bootstrap port.
     """
     if not isinstance(config, Mapping):
         return [
@@ -155,8 +161,11 @@ def check_config(
     conductor_key, conductor = _conductor(config)
     engine_key, engine = _find_engine(config)
     args = _engine_args(engine)
+    engine_env = _section_env(env_config, engine_key)
     findings += _check_conductor(conductor_key, conductor, env)
-    findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor)
+    findings += _check_engine(config, engine_key, engine, args, conductor_key, conductor, engine_env)
+    findings += _check_sglang_keys(config)
+    findings += _check_pd(config, engine_key, args, engine_env, _section_env(env_config, "motor_coordinator_config"))
     if sglang_args is not None:
         findings += _check_launch_page(engine_key, args, sglang_args)
     findings.append(_start_order(conductor_key))
@@ -173,7 +182,8 @@ def _check_launch_page(engine_key: str, args: Mapping[str, Any], sglang_args: st
             f"{engine_key}.engine_config.block-size",
             f"Motor sends block_size {sent} but the SGLang launch arguments give --page-size {page}: every "
             "event has the wrong block size for Motor's queries, every query misses",
-            f'set "block-size": {page} in Motor\'s engine_config (or launch SGLang with --page-size {sent})',
+            f"launch SGLang with --page-size {sent} (Motor's block size), or, only where SGLang runs outside "
+            f"Motor's engine launcher (which refuses it), set \"block-size\": {page} in Motor's engine_config",
         )
     ]
 
@@ -247,6 +257,7 @@ def _check_engine(
     args: Mapping[str, Any],
     conductor_key: str,
     conductor: Mapping[str, Any],
+    engine_env: Mapping[str, Any],
 ) -> list[Finding]:
     findings: list[Finding] = []
     engine_type = str(engine.get("engine_type", "")).lower()
@@ -262,7 +273,7 @@ def _check_engine(
                 '"/models/X" (Motor never resolves model-path for SGLang)',
             )
         )
-    plugin = _has_plugin(args)
+    plugin = _has_plugin(args) or _env_enables_plugin(engine_env)
     findings += _check_block_size(engine_key, args, conductor_key, conductor)
     events, what = _kv_events(args)
     events_key = f"{engine_key}.engine_config.kv-events-config"
@@ -285,7 +296,8 @@ def _check_engine(
                 f"{engine_key}.engine_config.plugin",
                 f"dp-size {dp} behind one HTTP endpoint (enable_multi_endpoints false) without the sglang_kvpub "
                 "plugin: a conductor subscribes to DP0's stream only, ranks 1..N-1 are invisible",
-                'add "plugin": "sglang_kvpub" (= --plugin sglang_kvpub), or register with dp_size for compat mode',
+                f'set "{ENABLED_ENV}": "1" in {_env_section(engine_key)} of Motor\'s env config (--env-config), '
+                "or register with dp_size for compat mode",
             )
         )
     findings += _check_ports(events_key, events, dp, plugin)
@@ -309,8 +321,140 @@ def _check_block_size(
         Finding(
             f"{engine_key}.engine_config.block-size",
             f"is {how} but page-size (SGLang's --page-size) is {page}: Motor reads block-size only, never "
-            "page-size, and queries with a block size the stream never has - every query misses",
-            f'set "block-size": {page} next to "page-size": {page} (with DCP: page size x DCP size)',
+            "page-size, and queries with a block size the stream never has - the adapter ignores every stored "
+            "event of that size (logged once, counted in dropped_block_size) and every query misses",
+            f'set "page-size": {sent} (Motor\'s block size; with DCP: page size x DCP size = {sent}); '
+            '"block-size" is no SGLang flag, so an engine Motor launches cannot carry it',
+        )
+    ]
+
+
+ENABLED_ENV = "SGLANG_KVPUB_ENABLED"  # sglang_kvpub.engine.plugin.ENABLED_ENV (no engine import here)
+# engine_config keys Motor's engine launcher (the 3.1 line: motor/engine_server/core/sglang/
+# sglang_config.py) turns into flags that SGLang 0.5.23's ServerArgs.add_cli_args refuses
+# ("unrecognized arguments") - it parses before SGLang's load_plugins() adds --plugin.
+_SGLANG_REFUSED = {
+    "block-size": 'remove it: Motor then sends its default 128 - set "page-size": 128',
+    "plugin": f'remove it: set "{ENABLED_ENV}": "1" in motor_engine_prefill_env of Motor\'s env config',
+    "plugins": f'remove it: set "{ENABLED_ENV}": "1" in motor_engine_prefill_env of Motor\'s env config',
+}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+def _env_section(config_key: str) -> str:
+    """``motor_engine_prefill_config`` -> ``motor_engine_prefill_env`` (Motor's env config sections)."""
+    return config_key.removesuffix("_config") + "_env"
+
+
+def _section_env(env_config: Any, config_key: str) -> Mapping[str, Any]:
+    section = env_config.get(_env_section(config_key)) if isinstance(env_config, Mapping) else None
+    return section if isinstance(section, Mapping) else {}
+
+
+def _env_enables_plugin(engine_env: Mapping[str, Any]) -> bool:
+    return str(engine_env.get(ENABLED_ENV, "")).strip().lower() in _TRUE
+
+
+def _sglang_sections(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    sections = []
+    for role in ("prefill", "decode", "union"):
+        key = f"motor_engine_{role}_config"
+        engine = config.get(key)
+        if isinstance(engine, Mapping) and str(engine.get("engine_type", "")).lower() == "sglang":
+            sections.append((key, engine))
+    return sections
+
+
+def _check_sglang_keys(config: Mapping[str, Any]) -> list[Finding]:
+    """engine_config keys SGLang refuses when Motor's engine launcher hands them to its parser."""
+    findings: list[Finding] = []
+    for key, engine in _sglang_sections(config):
+        raw = engine.get("engine_config")
+        for name in raw if isinstance(raw, Mapping) else ():
+            fix = _SGLANG_REFUSED.get(str(name).replace("_", "-"))
+            if fix is not None:
+                findings.append(
+                    Finding(
+                        f"{key}.engine_config.{name}",
+                        "is no SGLang flag: Motor's engine launcher passes every engine_config key to SGLang's "
+                        "parser before SGLang loads plugins, which stops with "
+                        f"'unrecognized arguments: --{str(name).replace('_', '-')} ...'",
+                        fix,
+                    )
+                )
+    return findings
+
+
+def _check_pd(
+    config: Mapping[str, Any],
+    engine_key: str,
+    args: Mapping[str, Any],
+    engine_env: Mapping[str, Any],
+    coordinator_env: Mapping[str, Any],
+) -> list[Finding]:
+    """SGLang PD under Motor: the deploy mode, the bootstrap port, and whether the prefill dispatches."""
+    findings: list[Finding] = []
+    sections = dict(_sglang_sections(config))
+    modes = {str(_engine_args(e).get("disaggregation-mode", "")) for e in sections.values()}
+    pd = "motor_engine_decode_config" in sections or "prefill" in modes
+    mode_key = "motor_coordinator_config.scheduler_config.deploy_mode"
+    deploy_mode = _scheduler(config).get("deploy_mode")
+    if pd and deploy_mode == "pd_separate":
+        findings.append(
+            Finding(
+                mode_key,
+                "is pd_separate, Motor's vLLM PD flow: it sends no bootstrap_host, bootstrap_port or bootstrap_room, "
+                "which an SGLang prefill and decode need to pair",
+                'set "pd_dual_dispatch" (Motor\'s SGLang PD mode; its prefill request carries the bootstrap fields)',
+            )
+        )
+    if deploy_mode == "pd_dual_dispatch" and engine_key in sections:
+        port = args.get("disaggregation-bootstrap-port")
+        sent = coordinator_env.get("DISAGGREGATION_BOOTSTRAP_PORT")
+        if port is None and sent is None:
+            findings.append(
+                Finding(
+                    f"{engine_key}.engine_config.disaggregation_bootstrap_port",
+                    "is unset and so is DISAGGREGATION_BOOTSTRAP_PORT in motor_coordinator_env: Motor sends an "
+                    "empty bootstrap_port, and the decode cannot reach the prefill's bootstrap server",
+                    "set \"disaggregation_bootstrap_port\": 8998 (Motor's deployer copies it into the coordinator's "
+                    "DISAGGREGATION_BOOTSTRAP_PORT)",
+                )
+            )
+        elif port is not None and sent is not None and str(port) != str(sent):
+            findings.append(
+                Finding(
+                    "motor_coordinator_env.DISAGGREGATION_BOOTSTRAP_PORT",
+                    f"is {sent} but the prefill's disaggregation_bootstrap_port is {port}: Motor sends the wrong port",
+                    "make them equal",
+                )
+            )
+    if "prefill" in modes and engine_key in sections:
+        findings += _check_prefill_dispatch(engine_key, args, engine_env)
+    return findings
+
+
+def _check_prefill_dispatch(engine_key: str, args: Mapping[str, Any], engine_env: Mapping[str, Any]) -> list[Finding]:
+    """Would the plugin's cache-aware dispatch be on in this prefill (sglang_kvpub.core.load_balance)?"""
+    if not (_has_plugin(args) or _env_enables_plugin(engine_env)):
+        return []
+    events, _what = _kv_events(args)
+    dp_dispatch = str(engine_env.get("SGLANG_KVPUB_DP_DISPATCH") or (events or {}).get("dp_dispatch", "cache_aware"))
+    dp = args.get("dp-size", 1)
+    plan = plan_dispatch(
+        dp_dispatch=dp_dispatch,
+        requested_method=str(args.get("load-balance-method", "auto")),
+        disaggregation_mode="prefill",
+        num_dp_ranks=dp if isinstance(dp, int) and not isinstance(dp, bool) else 1,
+    )
+    if plan.on or plan.reason.startswith("one DP rank"):
+        return []
+    return [
+        Finding(
+            f"{engine_key}.engine_config.load_balance_method",
+            f"{plan.line()}: a repeat reaches the rank holding its prefix 1/dp_size of the time",
+            'remove load_balance_method (the plugin makes SGLang\'s "auto" round_robin on a PD prefill and '
+            'dispatches by cache), and leave dp_dispatch at "cache_aware"',
         )
     ]
 

@@ -419,6 +419,11 @@ def test_bad_replay_requests_do_not_stop_the_router(ctx: Any) -> None:
         future = wire.make_seq(fanin.epoch, 1 << 39)
         replies = replay(ctx, fanin.config.replay_endpoint or "", future)  # nothing newer: just the end marker
         assert replies == [[b"", b"", wire.END_SEQ_BYTES, b""]]
+        # The bad requests came on another connection: nothing orders them before the replay
+        # request, so wait for their count (seen 0 once under load) instead of reading it once.
+        deadline = time.monotonic() + 10
+        while fanin.stats()["bad_requests"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a counter with a deadline
         assert fanin.stats()["bad_requests"] == 2
         dealer.close(linger=0)
     finally:

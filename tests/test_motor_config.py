@@ -33,13 +33,17 @@ def _scheduler(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg["motor_coordinator_config"]["scheduler_config"]  # type: ignore[no-any-return]
 
 
-def _problems(cfg: Any) -> list[Finding]:
-    return [f for f in check_config(cfg, ENV) if f.severity == "problem"]
+ENV_CONFIG = json.loads((EXAMPLE.parent / "motor_env_config.json").read_text())  # enables the plugin
+
+
+def _problems(cfg: Any, env_config: Any = ENV_CONFIG) -> list[Finding]:
+    return [f for f in check_config(cfg, ENV, env_config=env_config) if f.severity == "problem"]
 
 
 def test_the_documented_example_is_clean(good: dict[str, Any]) -> None:
     assert _problems(good) == []
-    assert main(["check-config", str(EXAMPLE)]) == 0
+    env_config = str(EXAMPLE.parent / "motor_env_config.json")
+    assert main(["check-config", str(EXAMPLE), "--env-config", env_config]) == 0
 
 
 def _set_block_size(cfg: dict[str, Any]) -> None:
@@ -47,7 +51,7 @@ def _set_block_size(cfg: dict[str, Any]) -> None:
 
 
 def _drop_block_size_with_page_256(cfg: dict[str, Any]) -> None:
-    del _engine(cfg)["block-size"]
+    assert "block-size" not in _engine(cfg)  # the documented config sets none (no SGLang flag)
     _engine(cfg)["page-size"] = 256
 
 
@@ -59,14 +63,17 @@ def _events_bad_json(cfg: dict[str, Any]) -> None:
     _engine(cfg)["kv-events-config"] = "{publisher: zmq"
 
 
-def _no_plugin(cfg: dict[str, Any]) -> None:
-    del _engine(cfg)["plugin"]
+NO_PLUGIN_ENV = {"motor_engine_prefill_env": {}}  # Motor's env config without SGLANG_KVPUB_ENABLED
 
 
-def _replay_overlap(cfg: dict[str, Any]) -> None:
-    del _engine(cfg)["plugin"]
+def _no_plugin(cfg: dict[str, Any]) -> Any:
+    return NO_PLUGIN_ENV
+
+
+def _replay_overlap(cfg: dict[str, Any]) -> Any:
     cfg["motor_deploy_config"]["enable_multi_endpoints"] = True  # not the DP0 problem, only the ports
     _engine(cfg)["kv-events-config"]["replay_endpoint"] = "tcp://*:5565"  # inside 5557..5572
+    return NO_PLUGIN_ENV
 
 
 def _replay_equal_with_plugin(cfg: dict[str, Any]) -> None:
@@ -90,12 +97,33 @@ def _unknown_mode(cfg: dict[str, Any]) -> None:
     _scheduler(cfg)["kv_affinity_mode"] = "greedy"
 
 
-def _w_cpu_without_plugin(cfg: dict[str, Any]) -> None:
-    del _engine(cfg)["plugin"]
+def _w_cpu_without_plugin(cfg: dict[str, Any]) -> Any:
     cfg["motor_deploy_config"]["enable_multi_endpoints"] = True
     _scheduler(cfg)["kv_affinity_w_cpu"] = 1.0
     _engine(cfg)["enable-hierarchical-cache"] = True
     _engine(cfg)["hicache-write-policy"] = "write_through"
+    return NO_PLUGIN_ENV
+
+
+def _pd_separate(cfg: dict[str, Any]) -> None:
+    _scheduler(cfg)["deploy_mode"] = "pd_separate"
+
+
+def _block_size_key(cfg: dict[str, Any]) -> None:
+    _engine(cfg)["block-size"] = 128
+
+
+def _plugin_key(cfg: dict[str, Any]) -> None:
+    cfg["motor_engine_decode_config"]["engine_config"]["plugin"] = "sglang_kvpub"
+
+
+def _explicit_follow_bootstrap_room(cfg: dict[str, Any]) -> None:
+    _engine(cfg)["load_balance_method"] = "follow_bootstrap_room"
+
+
+def _no_bootstrap_port(cfg: dict[str, Any]) -> Any:
+    del _engine(cfg)["disaggregation_bootstrap_port"]
+    return {**ENV_CONFIG, "motor_coordinator_env": {}}
 
 
 def _scheduler_type(cfg: dict[str, Any]) -> None:
@@ -123,20 +151,26 @@ def _publisher(cfg: dict[str, Any]) -> None:
         (_w_cpu_without_plugin, "kv_affinity.w_cpu", "exclusive split"),
         (_scheduler_type, "scheduler_type", "KV affinity is off"),
         (_publisher, "kv-events-config.publisher", "'null'"),
+        (_pd_separate, "deploy_mode", "vLLM PD flow"),
+        (_block_size_key, "prefill_config.engine_config.block-size", "unrecognized arguments: --block-size"),
+        (_plugin_key, "decode_config.engine_config.plugin", "unrecognized arguments: --plugin"),
+        (_explicit_follow_bootstrap_room, "load_balance_method", "cache-aware DP dispatch off"),
+        (_no_bootstrap_port, "disaggregation_bootstrap_port", "empty bootstrap_port"),
     ],
 )
 def test_each_problem_is_named_with_its_key_and_fix(
     good: dict[str, Any], mutate: Any, key: str, words: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     cfg = copy.deepcopy(good)
-    mutate(cfg)
-    problems = _problems(cfg)
+    env_config = mutate(cfg) or ENV_CONFIG
+    problems = _problems(cfg, env_config)
     assert problems, "expected a problem"
     assert any(key in p.key and words in p.message for p in problems), problems
     assert all(p.fix for p in problems)
-    path = tmp_path / "user_config.json"
+    path, env_path = tmp_path / "user_config.json", tmp_path / "env.json"
     path.write_text(json.dumps(cfg))
-    assert main(["check-config", str(path)]) == 1
+    env_path.write_text(json.dumps(env_config))
+    assert main(["check-config", str(path), "--env-config", str(env_path)]) == 1
     out = capsys.readouterr().out
     assert "fix:" in out and key in out
 
@@ -229,13 +263,16 @@ def test_service_config_reads_motor_config_and_env(good: dict[str, Any], tmp_pat
 
 def test_block_size_against_the_sglang_launch_arguments(good: dict[str, Any], tmp_path: Path) -> None:
     launch = "python -m sglang.launch_server --model-path /m --dp-size 16 --page-size 64 --plugin sglang_kvpub"
-    (problem,) = [f for f in check_config(good, ENV, sglang_args=launch) if f.severity == "problem"]
+    found = check_config(good, ENV, sglang_args=launch, env_config=ENV_CONFIG)
+    (problem,) = [f for f in found if f.severity == "problem"]
     assert "engine_config.block-size" in problem.key and "--page-size 64" in problem.message
     assert '"block-size": 64' in problem.fix
-    assert not [f for f in check_config(good, ENV, sglang_args=launch.replace("64", "128")) if f.severity == "problem"]
+    found = check_config(good, ENV, sglang_args=launch.replace("64", "128"), env_config=ENV_CONFIG)
+    assert not [f for f in found if f.severity == "problem"]
     # no --page-size: SGLang's default page size 1 never matches Motor's 128
     assert any("--page-size 1" in f.message for f in check_config(good, ENV, sglang_args="--dp-size 2"))
-    path = tmp_path / "user_config.json"
+    path, env_path = tmp_path / "user_config.json", str(EXAMPLE.parent / "motor_env_config.json")
     path.write_text(json.dumps(good))
-    assert main(["check-config", str(path), "--sglang-args=--page-size=128"]) == 0
-    assert main(["check-config", str(path), "--sglang-args=python -m sglang.launch_server --page-size 32"]) == 1
+    assert main(["check-config", str(path), "--sglang-args=--page-size=128", "--env-config", env_path]) == 0
+    launch_32 = "--sglang-args=python -m sglang.launch_server --page-size 32"
+    assert main(["check-config", str(path), launch_32, "--env-config", env_path]) == 1

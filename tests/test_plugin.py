@@ -252,6 +252,7 @@ def test_sglang_loader_applies_the_plugin_in_a_fresh_interpreter(allowlist: str,
     out = run_script(LOADER_BODY, {}, env)
     cli = {sglang_compat.TARGET_ADD_CLI_ARGS, sglang_compat.TARGET_FROM_CLI_ARGS}
     runtime = {sglang_compat.TARGET_FACTORY_CREATE, sglang_compat.TARGET_DESCRIBE}
+    runtime.add(sglang_compat.TARGET_CHECK_SERVER_ARGS)
     if expect == "nothing":  # SGLANG_PLUGINS excludes us: not even imported
         assert not out["plugin_imported"]
         assert out["hooks"] == []

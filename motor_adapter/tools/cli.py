@@ -59,7 +59,14 @@ def _check_config(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"{args.file}: cannot read a JSON config: {exc}")
         return 1
-    findings = check_config(config, sglang_args=args.sglang_args)
+    engine_env = None
+    if args.env_config:
+        try:
+            engine_env = load_config_file(args.env_config)
+        except (OSError, ValueError) as exc:
+            print(f"{args.env_config}: cannot read a JSON env config: {exc}")
+            return 1
+    findings = check_config(config, sglang_args=args.sglang_args, env_config=engine_env)
     problems = [f for f in findings if f.severity == "problem"]
     for finding in findings:
         print(finding)
@@ -144,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--sglang-args",
         default=None,
         help='SGLang launch command line, when SGLang runs outside Motor (write --sglang-args="...")',
+    )
+    check.add_argument(
+        "--env-config",
+        default=None,
+        help="Motor's env config (env.json: motor_engine_prefill_env, motor_coordinator_env)",
     )
     check.set_defaults(run=_check_config)
 

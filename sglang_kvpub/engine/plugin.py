@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sglang_kvpub.config import ConfigError, PluginConfig
+from sglang_kvpub.core.load_balance import DispatchPlan, plan_dispatch
 from sglang_kvpub.engine import guard, sglang_compat, tree_cores
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "describe_instance_stream",
     "KvPubEventPublisher",
     "start_controller_fanin",
+    "dispatch_plan",
 ]
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,8 @@ def _runtime_hooks() -> list[tuple[str, Callable[..., Any], str, str | None]]:
     return [
         (sglang_compat.TARGET_FACTORY_CREATE, _factory_create_hook, "AROUND", None),
         (sglang_compat.TARGET_DESCRIBE, _describe_hook, "AFTER", None),
+        # The launcher's last look at the config before SGLang publishes it (every path).
+        (sglang_compat.TARGET_CHECK_SERVER_ARGS, _check_server_args_hook, "AROUND", None),
         # Importing the controller drags in the whole scheduler stack: only hook it in
         # the process that runs it (its module is loaded before it calls load_plugins).
         (
@@ -255,6 +259,44 @@ def _publisher_name(kv_events_config: str) -> str:
     if not isinstance(data, dict):
         raise ConfigError('--kv-events-config must be a JSON object like {"publisher": "zmq", ...}')
     return str(data.get("publisher", "null"))
+
+
+# --------------------------------------------------------------------------- load-balance method
+
+
+def dispatch_plan(
+    server_args: Any, *, resolved_method: str | None = None, num_dp_ranks: int | None = None, switchable: bool = True
+) -> DispatchPlan:
+    """The dispatch outcome for ``server_args`` (``resolved_method``, ``num_dp_ranks``: what a
+    running controller actually runs, which wins over the config)."""
+    inputs = sglang_compat.load_balance_inputs(server_args)
+    kv_events_config = getattr(server_args, "kv_events_config", None)
+    return plan_dispatch(
+        dp_dispatch=PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch,
+        requested_method=inputs.requested_method,
+        resolved_method=resolved_method or inputs.resolved_method,
+        disaggregation_mode=inputs.disaggregation_mode,
+        num_dp_ranks=inputs.num_dp_ranks if num_dp_ranks is None else num_dp_ranks,
+        switchable=switchable,
+    )
+
+
+def _check_server_args_hook(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    """On a PD prefill with ``--load-balance-method auto``, declare round_robin so that the
+    plugin dispatches and the decode asks the bootstrap server for the rank
+    (core/load_balance.py).  Contained: a failure leaves SGLang's method, and the DP
+    controller then says dispatch is off."""
+    result = original(self, *args, **kwargs)
+    if not is_enabled() or guard.disabled(guard.DISPATCH):
+        return result
+    try:
+        plan = dispatch_plan(self)
+        if plan.switch_to is not None:
+            sglang_compat.declare_load_balance_method(self, plan.switch_to)
+        log.info("sglang_kvpub: %s", plan.line())
+    except Exception as exc:
+        guard.fail(guard.DISPATCH, exc)
+    return result
 
 
 # --------------------------------------------------------------------------- scheduler
@@ -403,7 +445,7 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
             fanin.stop()
         raise
     self.kvpub_fanin = fanin
-    _attach_dispatch(self, kv_events_config, topology, fanin)
+    _attach_dispatch(self, server_args, topology, fanin)
     if fanin is not None:
         _attach_load_reports(self, fanin)
     return result
@@ -421,19 +463,31 @@ def _attach_load_reports(controller: Any, fanin: Any) -> None:
         log.warning("sglang_kvpub: rank-load messages off: %r", exc)
 
 
-def _attach_dispatch(controller: Any, kv_events_config: str | None, topology: Any, fanin: Any | None) -> None:
+def _attach_dispatch(controller: Any, server_args: Any, topology: Any, fanin: Any | None) -> None:
     """Cache-aware dispatch (the default; ``dp_dispatch: "default"`` opts out), contained."""
     if guard.disabled(guard.DISPATCH):
         return
+    kv_events_config = getattr(server_args, "kv_events_config", None)
     try:
         if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch != "cache_aware":
             log.info('sglang_kvpub: dp_dispatch "default": SGLang\'s --load-balance-method dispatches')
             return
+        # What this controller really runs decides (the launcher may not have switched it).
+        topology = topology or sglang_compat.controller_topology()
+        running = getattr(getattr(controller, "load_balance_method", None), "name", None)
+        plan = dispatch_plan(
+            server_args,
+            resolved_method=running.lower() if running else None,
+            num_dp_ranks=topology.num_dp_ranks,
+            switchable=False,
+        )
+        if not plan.on:
+            log.info("sglang_kvpub: %s", plan.line())
+            return
         from sglang_kvpub.engine.dispatch_hook import attach_dispatcher
 
-        topology = topology or sglang_compat.controller_topology()
         attach_dispatcher(controller, block_size=topology.block_size, fanin=fanin)
-        log.info("sglang_kvpub: cache-aware DP dispatch on (requests with a routed_dp_rank keep it)")
+        log.info("sglang_kvpub: %s", plan.line())
     except Exception as exc:
         guard.fail(guard.DISPATCH, exc)
 
@@ -470,6 +524,11 @@ def _describe_hook(result: dict[str, Any] | None, *args: Any, **kwargs: Any) -> 
             device = getattr(server_args, "device", None)
             described["tree_core"] = tree_cores.describe(tree_cores.predict_core(device))
             described["plugin_failures"] = guard.stats()["failures"]
+            if server_args is not None:
+                plan = dispatch_plan(server_args).as_dict()
+                if guard.disabled(guard.DISPATCH):  # the launcher's switch failed here (contained)
+                    plan.update(on=False, reason="a contained plugin failure switched dispatch off (see the log)")
+                described["dp_dispatch"] = plan
         return described
     except Exception as exc:
         guard.fail(guard.DESCRIBE, exc)

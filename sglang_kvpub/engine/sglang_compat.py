@@ -28,6 +28,7 @@ __all__ = [
     "TARGET_FACTORY_CREATE",
     "TARGET_DP_CONTROLLER_INIT",
     "TARGET_DESCRIBE",
+    "TARGET_CHECK_SERVER_ARGS",
     "IncompatibleSGLang",
     "Topology",
     "parse_version",
@@ -39,6 +40,9 @@ __all__ = [
     "raw_num_dp_ranks",
     "scheduler_topology",
     "controller_topology",
+    "LoadBalanceInputs",
+    "load_balance_inputs",
+    "declare_load_balance_method",
 ]
 
 MIN_PLUGIN_VERSION = (0, 5, 11)
@@ -51,6 +55,9 @@ TARGET_FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 TARGET_FACTORY_CREATE = "sglang.srt.disaggregation.kv_events.EventPublisherFactory.create"
 TARGET_DP_CONTROLLER_INIT = "sglang.srt.managers.data_parallel_controller.DataParallelController.__init__"
 TARGET_DESCRIBE = "sglang.srt.runtime_context.describe_kv_events_publisher"
+# Called by Engine._launch_subprocesses after resolve_once() and load_plugins(), before the
+# config is published to any process: the one place every launch path passes through.
+TARGET_CHECK_SERVER_ARGS = "sglang.srt.server_args.ServerArgs.check_server_args"
 
 SIDECAR_HINT = (
     "fallback: start SGLang without --plugin and run the sidecar "
@@ -204,3 +211,38 @@ def scheduler_topology() -> Topology:
 def controller_topology() -> Topology:
     """In the DataParallelController process (context published before the controller is built)."""
     return scheduler_topology()
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadBalanceInputs:
+    """What decides the DP controller's method (core/load_balance.py), from a ServerArgs."""
+
+    requested_method: str  # the operator's --load-balance-method (raw input; "auto" unless given)
+    resolved_method: str | None  # what resolution made of it (None: not resolved)
+    disaggregation_mode: str | None
+    num_dp_ranks: int
+
+
+def load_balance_inputs(server_args: Any) -> LoadBalanceInputs:
+    """Reads raw and resolved values through SGLang's ``resolution_result`` (0.5.23's
+    declarations; the raw field stays the operator's input)."""
+    requested = str(getattr(server_args, "load_balance_method", None) or "auto")
+    try:
+        from sglang.srt.arg_groups.overrides import resolution_result
+
+        resolved = str(resolution_result(server_args, "load_balance_method") or "") or None
+        mode = resolution_result(server_args, "disaggregation_mode")
+    except (ImportError, AttributeError, TypeError, KeyError):  # older SGLang: fields resolved in place
+        resolved = requested
+        mode = getattr(server_args, "disaggregation_mode", None)
+    if resolved == "auto":
+        resolved = None
+    return LoadBalanceInputs(requested, resolved, None if mode is None else str(mode), raw_num_dp_ranks(server_args))
+
+
+def declare_load_balance_method(server_args: Any, method: str) -> None:
+    """Declares ``load_balance_method`` as SGLang's own resolution handlers do (last writer
+    wins; carried with the record to every spawned process).  Before publication only."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    declare_resolution(server_args, "sglang_kvpub.pd_prefill_dispatch", load_balance_method=method)

@@ -4,7 +4,9 @@ Checks ``--kv-events-config`` (plus ``SGLANG_KVPUB_*``) exactly as ``--plugin sg
 does at start, then reports the radix tree core SGLang will pick for ``--device`` (from
 ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``) and what the plugin guarantees on it: fan-in,
 ``BlockRemoved`` on release, reconciliation and dispatch (docs/hbm-release.md, "Tree
-cores").  Exit 0: valid (limits are reported, not errors); 2: a configuration error.
+cores"), and whether cache-aware DP dispatch is on for ``--disaggregation-mode`` and
+``--load-balance-method`` (off for an explicit ``follow_bootstrap_room``; docs/dispatch.md).
+Exit 0: valid (limits are reported, not errors); 2: a configuration error.
 Needs neither SGLang nor torch.
 """
 
@@ -14,6 +16,7 @@ import argparse
 import json
 
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.core.load_balance import plan_dispatch
 from sglang_kvpub.engine import tree_cores
 
 __all__ = ["add_parser", "run", "report"]
@@ -30,28 +33,55 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--device", default="cuda", help="SGLang's --device (cpu, cuda, npu; default cuda)")
     parser.add_argument("--dp-size", type=int, default=1, help="DP ranks (dp_size x attn_dp_size)")
     parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument(
+        "--disaggregation-mode", default="null", help="SGLang's --disaggregation-mode (null, prefill, decode)"
+    )
+    parser.add_argument("--load-balance-method", default="auto", help="SGLang's --load-balance-method (default auto)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 
 
-def report(kv_events_config: str, *, device: str, dp_size: int = 1, nnodes: int = 1) -> dict[str, object]:
-    """The validated settings and the tree core's guarantees; raises ConfigError."""
+def report(
+    kv_events_config: str,
+    *,
+    device: str,
+    dp_size: int = 1,
+    nnodes: int = 1,
+    disaggregation_mode: str = "null",
+    load_balance_method: str = "auto",
+) -> dict[str, object]:
+    """The validated settings, whether dispatch is on (core/load_balance.py) and the tree
+    core's guarantees; raises ConfigError."""
     from sglang_kvpub.engine.plugin import validate_launch
 
     config = validate_launch(kv_events_config, num_dp_ranks=dp_size, nnodes=nnodes, version=(0, 5, 23))
     core = tree_cores.predict_core(device)
+    plan = plan_dispatch(
+        dp_dispatch=config.dp_dispatch,
+        requested_method=load_balance_method,
+        disaggregation_mode=disaggregation_mode,
+        num_dp_ranks=dp_size,
+    )
     return {
         "valid": True,
         "endpoint": config.endpoint,
         "replay_endpoint": config.replay_endpoint,
         "dp_dispatch": config.dp_dispatch,
+        "dispatch": plan.as_dict(),
         "tree_core": tree_cores.describe(core),
     }
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        result = report(args.kv_events_config, device=args.device, dp_size=args.dp_size, nnodes=args.nnodes)
+        result = report(
+            args.kv_events_config,
+            device=args.device,
+            dp_size=args.dp_size,
+            nnodes=args.nnodes,
+            disaggregation_mode=args.disaggregation_mode,
+            load_balance_method=args.load_balance_method,
+        )
     except ConfigError as exc:
         print(f"invalid: {exc}")
         return 2
@@ -61,7 +91,13 @@ def run(args: argparse.Namespace) -> int:
     core = result["tree_core"]
     assert isinstance(core, dict)
     print(f"valid: instance PUB {result['endpoint']}, replay {result['replay_endpoint']}")
-    print(f"dp_dispatch: {result['dp_dispatch']}")
+    dispatch = result["dispatch"]
+    assert isinstance(dispatch, dict)
+    state = "on" if dispatch["on"] else "off"
+    print(
+        f"dp_dispatch: {result['dp_dispatch']}: cache-aware DP dispatch {state} "
+        f"(--load-balance-method {dispatch['load_balance_method']}): {dispatch['reason']}"
+    )
     print(f"tree core: {core['core']} (--device {args.device}, {tree_cores.BACKEND_ENV})")
     for name, what in core.get("features", {}).items():
         print(f"  {name}: {what}")
