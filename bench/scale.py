@@ -50,6 +50,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -125,7 +126,10 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
     endpoints = []
     for _ in range(args["instances"]):
         config = PluginConfig(
-            endpoint=f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}", bind=True
+            endpoint=f"tcp://127.0.0.1:{free_port()}",
+            replay_endpoint=f"tcp://127.0.0.1:{free_port()}",
+            bind=True,
+            buffer_steps=args["buffer_steps"],  # ~25 KB a batch: the default 10,000 is 250 MB per instance
         )
         fanin = FanIn(config, RANKS, listen_channel=False)
         fanin.start()
@@ -273,6 +277,36 @@ def _start_adapter(port: int) -> subprocess.Popen[bytes]:
     raise RuntimeError("motor-kv-adapter serve did not answer /health within 60 s")
 
 
+class _MemoryGuard:
+    """Kills the adapter's process group when the watched processes' RSS passes the limit."""
+
+    def __init__(self, pids: list[int], limit_gb: float) -> None:
+        self.pids = [pid for pid in pids if pid]
+        self.limit = limit_gb * 2**30
+        self.peak = 0
+        self.tripped = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            total = 0
+            for pid in self.pids:
+                with contextlib.suppress(OSError):
+                    total += _rss_bytes(pid)
+            self.peak = max(self.peak, total)
+            if total > self.limit:
+                self.tripped = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pids[0], signal.SIGKILL)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
 def _registration(n: int, endpoint: str, replay: str) -> dict[str, Any]:
     return {
         "instance_id": f"prefill-{n}",
@@ -324,8 +358,11 @@ async def _measure(base: str, pid: int, args: argparse.Namespace, gen: Any, inst
             published = (await loop.run_in_executor(None, gen.recv))["published"]
             deadline = time.monotonic() + 5.0
             while True:
-                async with session.post(base + "/query", data=ask, headers=headers) as response:
-                    answer = json.loads(await response.read())
+                try:
+                    async with session.post(base + "/query", data=ask, headers=headers) as response:
+                        answer = json.loads(await response.read())
+                except aiohttp.ClientError:
+                    answer = {}
                 seen = time.monotonic()
                 if answer.get("default", {}).get(f"prefill-{i}", {}).get("longest_matched", 0) >= len(system) + BS:
                     lags.append((seen - published) * 1000)
@@ -405,6 +442,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         "new_pages": args.new_pages,
         "rps_per_rank": args.rps_per_rank,
         "seed": instances,
+        "buffer_steps": args.buffer_steps,
     }
     generator = ctx.Process(target=_generator_main, args=(gen_args, theirs), daemon=True)
     generator.start()
@@ -437,7 +475,19 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         rss_full = _rss_bytes(adapter.pid)
         mine.send(("run",))
         time.sleep(args.warmup)
-        record = asyncio.run(_measure(base, adapter.pid, args, mine, instances))
+        guard = _MemoryGuard([adapter.pid, generator.pid or 0], args.max_rss_gb)
+        try:
+            record = asyncio.run(_measure(base, adapter.pid, args, mine, instances))
+        except Exception:
+            if not guard.tripped:
+                raise
+            record = {"instances": instances, "ranks": instances * RANKS}
+        finally:
+            guard.stop()
+        record["peak_rss_gb"] = round(guard.peak / 2**30, 2)
+        if guard.tripped:
+            record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
+            return record
         mine.send(("stats",))
         gen = mine.recv()
         record.update(_stream_faults(base))
@@ -522,6 +572,14 @@ def main() -> int:
     parser.add_argument("--probe-seconds", type=float, default=5.0, help="lag probing window, after the phases")
     parser.add_argument("--probe-every-ms", type=float, default=20.0)
     parser.add_argument("--probe-poll-ms", type=float, default=1.0)
+    parser.add_argument("--buffer-steps", type=int, default=256, help="each fan-in's replay buffer (batches)")
+    parser.add_argument(
+        "--max-rss-gb",
+        type=float,
+        default=6.0,
+        help="the level is stopped when the adapter and the generator hold more (an adapter that falls behind "
+        "queues up to 100,000 batches per stream; the machine is shared)",
+    )
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup: no orphan adapter
     for instances in (int(n) for n in args.instances.split(",")):
