@@ -487,6 +487,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         record["peak_rss_gb"] = round(guard.peak / 2**30, 2)
         if guard.tripped:
             record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
+            record.update(instances=instances, ranks=instances * RANKS, entries=filled["entries"])
             return record
         mine.send(("stats",))
         gen = mine.recv()
