@@ -120,7 +120,7 @@ def main() -> int:
         dp_size=dp,
         page_size=PAGE,
         kv_events_extra={"heartbeat_s": 0.2},
-        extra_args=("--sleep-on-idle",),
+        extra_args=("--sleep-on-idle", "--mem-fraction-static", "0.5"),
     )
     server = sglang_server.Server(spec)
     port = free_port()
