@@ -213,7 +213,7 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
                 elapsed = time.monotonic() - started
                 conn.send(
                     {
-                        "offered_batches_per_s": round(due_total / elapsed, 1) if elapsed else 0.0,
+                        "offered_batches_per_s": round(rate * len(workers), 1),
                         "achieved_batches_per_s": round(sent["batches"] / elapsed, 1) if elapsed else 0.0,
                         "block_events_per_s": round(sent["blocks"] / elapsed) if elapsed else 0,
                         "entries": entries(),
@@ -423,9 +423,10 @@ async def _measure(base: str, pid: int, args: argparse.Namespace, gen: Any, inst
         out[f"{name}_p99_ms"] = round(percentile(lat[name], 99), 3)
         out[f"{name}_rps"] = round(count[name] / (args.rounds * args.seconds), 1)
         out[f"{name}_cpu_us"] = round(cpu[name] / count[name] * 1e6, 1) if count[name] else None
-    out["lag_p50_ms"] = round(percentile(lags, 50), 2)
-    out["lag_p99_ms"] = round(percentile(lags, 99), 2)
-    out["lag_max_ms"] = round(max(lags, default=0.0), 2)
+    # No probe seen within its 5 s: no figure (a target must not read an empty sample as 0 ms).
+    out["lag_p50_ms"] = round(percentile(lags, 50), 2) if lags else None
+    out["lag_p99_ms"] = round(percentile(lags, 99), 2) if lags else None
+    out["lag_max_ms"] = round(max(lags), 2) if lags else None
     out["lag_probes"] = len(lags)
     out["lag_probes_missed"] = missed
     out["adapter_cpu_pct"] = round(whole / elapsed * 100, 1)
