@@ -90,7 +90,7 @@ _SYNTHETIC = ("trace", "synthetic_trace.jsonl")
 _AGENTIC = ("trace", "agentic_sessions")
 _DEFAULT = ("policy", "default")
 
-# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 16, 19, 21, 33): ONE list, read by every bench
+# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 16, 19, 21, 31, 32, 33): ONE list, read by every bench
 # for its own JSON line and by run_all.py for the README's table.
 TARGETS: tuple[Target, ...] = (
     Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
@@ -109,6 +109,12 @@ TARGETS: tuple[Target, ...] = (
     Target("service", "query_cpu_us", "<=", "noop_cpu_us", factor=2.0),
     Target("service", "query_distinct_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
     Target("service", "query_distinct_cpu_us", "<=", "noop_cpu_us", factor=2.0),
+    Target("replay", "ops_per_s", ">=", "baseline_ops_per_s", factor=2.0),
+    Target("replay", "find_matches_p99_us", "<=", "baseline_find_matches_p99_us"),
+    Target("scale", "lag_p99_ms", "<=", 100.0, where=(("instances", 100),)),
+    Target("scale", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3, where=(("instances", 100),)),
+    Target("scale", "rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
+    Target("scale", "rss_over_estimate", ">=", 0.8, where=(("instances", 100),)),
     Target("dispatch", "decision_us_p50", "<=", 50.0),
     Target("dispatch", "decision_us_p99_cold", "<=", 50.0),
     Target("dispatch", "decision_us_p99_partial", "<=", 50.0),

@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -167,17 +168,19 @@ def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> 
     for phantom in range(1000):
         marks[-(phantom + 1)] = 0
     gc.collect()  # a long-running scheduler's heap has aged: the build's young objects too
-    pauses: list[float] = []
+    pauses: list[int] = []  # the generation of each collection started
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            pauses.append(time.perf_counter())
+            pauses.append(int(info.get("generation", -1)))
 
     rec = Reconciler(tree, budget_s=SLICE_BUDGET_S if budget_s is None else budget_s)
     cpu: list[float] = []
     wall: list[float] = []
     gc_slices = 0
     phases: list[str] = []
+    kernel: list[tuple[float, int, int]] = []  # per slice: kernel ms, minor faults, major faults
+    collected: list[tuple[int, ...]] = []  # per slice: generations of the collections inside it
     gc.callbacks.append(on_gc)
     start = time.perf_counter()
     try:
@@ -185,9 +188,20 @@ def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> 
         while force or rec.walking:
             before = len(pauses)
             phase = rec.phase
+            u0 = resource.getrusage(resource.RUSAGE_THREAD)
             c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             rec.step(force=force)
             c1, w1 = time.thread_time_ns(), time.perf_counter_ns()
+            u1 = resource.getrusage(resource.RUSAGE_THREAD)
+            # Kernel time and page faults inside the slice: what the thread's CPU time holds
+            # besides the reconciler's own Python (first touches, reclaim under memory pressure).
+            kernel.append(
+                (
+                    round((u1.ru_stime - u0.ru_stime) * 1e3, 3),
+                    u1.ru_minflt - u0.ru_minflt,
+                    u1.ru_majflt - u0.ru_majflt,
+                )
+            )
             # A slice is named by the phase it started in and the one it left in (the
             # first slice starts "idle": it begins the walk).
             phases.append(f"{phase}->{rec.phase}")
@@ -195,6 +209,7 @@ def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> 
             cpu.append((c1 - c0) / 1e6)
             wall.append((w1 - w0) / 1e6)
             gc_slices += len(pauses) > before
+            collected.append(tuple(pauses[before:]))
     finally:
         gc.callbacks.remove(on_gc)
     total = time.perf_counter() - start
@@ -209,6 +224,11 @@ def reconcile(ns: Any, make: Any, pages: int, budget_s: float | None = None) -> 
         "slices_over_1ms_wall": sum(v > 1.0 for v in wall),
         "max_cpu_slice_phase": phases[cpu.index(max(cpu))],
         "max_cpu_slice_index": cpu.index(max(cpu)),
+        "max_cpu_slice_kernel_ms_minflt_majflt": kernel[cpu.index(max(cpu))],
+        "max_cpu_slice_gc_generations": list(collected[cpu.index(max(cpu))]),
+        "slices_over_1ms_cpu_with_gc": sum(bool(g) for g, v in zip(collected, cpu, strict=True) if v > 1.0),
+        "slices_with_kernel_over_0_2ms": sum(k[0] > 0.2 for k in kernel),
+        "page_faults_in_slices": sum(k[1] + k[2] for k in kernel),
         "walk_s": round(total, 3),
         "fixed_stale": corrections["reconcile_stale_gpu"],
         "fixed_missing": corrections["reconcile_missing_gpu"],

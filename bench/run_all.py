@@ -2,7 +2,7 @@
 
     python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
-Each bench (wire, fanin, residency, index, service, dispatch, server, e2e, e2e_pd, routing) runs as a
+Each bench (wire, fanin, residency, index, service, replay, scale, dispatch, server, e2e, e2e_pd, routing) runs as a
 subprocess of this interpreter from the repository root, with a timeout; a bench script that
 does not exist yet is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
 Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
@@ -63,6 +63,21 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench("index", "bench/index.py", quick=(("--blocks", "100000"), ("--queries", "200"), ("--no-memory", None))),
     Bench("service", "bench/service.py", quick=(("--seconds", "1"), ("--rounds", "1"), ("--clients", "16"))),
+    # The Mooncake conversation trace through the index and Dynamo's RadixTree (issue 32).
+    Bench(
+        "replay",
+        "bench/replay.py",
+        args=("--trace", str(TRACES / "conversation_trace.jsonl")),
+        quick=(("--limit", "1500"),),
+    ),
+    # N dp-16 instances into one motor-kv-adapter serve process (issue 32); up to ~6 GB.
+    Bench(
+        "scale",
+        "bench/scale.py",
+        args=("--instances", "25,50,100"),
+        quick=(("--instances", "4"), ("--rank-blocks", "200"), ("--rounds", "1"), ("--probe-seconds", "1")),
+        min_timeout_s=1800.0,
+    ),
     Bench("dispatch", "bench/dispatch.py", quick=(("--decisions", "300"), ("--prompts", "20"))),
     # Two real SGLang servers (plain, plugin) per tree core; minutes, not seconds.
     Bench("server", "bench/server.py", quick=(("--quick", None),), min_timeout_s=3600.0),

@@ -257,6 +257,45 @@ class ServerSpec:
         return env
 
 
+def process_memory(pid: int) -> list[tuple[int, str, int]]:
+    """``(pid, title, RSS bytes)`` of ``pid`` and every descendant (SGLang titles its
+    processes ``sglang::scheduler_DP<r>...``, ``sglang::data_parallel_controller``...)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    out: list[tuple[int, str, int]] = []
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        with contextlib.suppress(OSError):
+            title = (Path("/proc") / str(current) / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            rss = 0
+            for line in (Path("/proc") / str(current) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+            out.append((current, title, rss))
+    return out
+
+
+def memory_report(server: Server) -> str:
+    """Summed RSS of the server's processes and the median per scheduler (one per DP rank)."""
+    if server.proc is None:
+        return "not started"
+    procs = process_memory(server.proc.pid)
+    ranks = sorted(rss for _, title, rss in procs if title.startswith("sglang::scheduler"))
+    total = sum(rss for _, _, rss in procs)
+    median = ranks[len(ranks) // 2] if ranks else 0
+    return (
+        f"RSS {total / 2**30:.1f} GiB summed over {len(procs)} processes; "
+        f"{len(ranks)} schedulers, median {median / 2**20:.0f} MiB each"
+    )
+
+
 class Server:
     """One launched server; use as a context manager or call :meth:`stop`."""
 
