@@ -500,8 +500,20 @@ class PdRig:
 
 
 def parse_scores(text: str) -> list[PdScore]:
-    """Motor's kv_cache_affinity decisions, each with the adapter answer logged before it."""
-    return [PdScore(s.instance, s.matched, s.answer) for s in e2e_rig.parse_scores(text)]
+    """Motor's kv_cache_affinity decisions, each with the adapter answer logged before it.
+
+    ``matched`` is the hit the adapter reported for the instance Motor picked (its
+    ``dp_detail`` matched tokens).  The number on Motor's ``select_endpoint`` line is the value
+    Motor ranked by: the adapter gives a cold best instance 1 there so that Motor still picks
+    it over the others (scoring.motor_values), so it is not read as the hit.
+    """
+    scores = []
+    for s in e2e_rig.parse_scores(text):
+        entry = s.answer.get("default", {}).get(f"vllm-prefill-{s.instance}", {})
+        detail = entry.get("dp_detail", {}).get("0", {})
+        matched = detail.get("matched_tokens")
+        scores.append(PdScore(s.instance, s.matched if matched is None else int(matched), s.answer))
+    return scores
 
 
 if __name__ == "__main__":  # a manual run: python bench/pd_rig.py WORK_DIR
