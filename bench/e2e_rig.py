@@ -270,13 +270,7 @@ class Rig:
         self.coordinator.stop()
         self.server.stop()
         adapter, self._adapter = self._adapter, None
-        if adapter is not None and adapter.poll() is None:
-            adapter.terminate()
-            try:
-                adapter.wait(10)
-            except subprocess.TimeoutExpired:
-                adapter.kill()
-                adapter.wait(5)
+        stop_process(adapter)
 
     def __enter__(self) -> Rig:
         return self.start()
@@ -391,6 +385,18 @@ class Rig:
 
 
 # --------------------------------------------------------------------------- log lines
+
+
+def stop_process(proc: subprocess.Popen[Any] | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s: the rigs' adapter processes."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
 
 
 def parse_scores(text: str) -> list[MotorScore]:

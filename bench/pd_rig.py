@@ -358,13 +358,7 @@ class PdRig:
         for server in self.servers:
             server.stop()
         adapter, self._adapter = self._adapter, None
-        if adapter is not None and adapter.poll() is None:
-            adapter.terminate()
-            try:
-                adapter.wait(10)
-            except subprocess.TimeoutExpired:
-                adapter.kill()
-                adapter.wait(5)
+        e2e_rig.stop_process(adapter)
 
     def __enter__(self) -> PdRig:
         return self.start()

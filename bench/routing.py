@@ -117,7 +117,7 @@ if str(_HERE.parent) not in sys.path:  # bench/ is a folder of scripts: the repo
     sys.path.insert(0, str(_HERE.parent))
 
 from bench._common import MOONCAKE_TRACES, with_targets  # noqa: E402
-from motor_adapter.affinity import KvAffinity  # noqa: E402
+from motor_adapter.affinity import KvAffinity, NoSubscriber  # noqa: E402
 from motor_adapter.registration import parse_registration  # noqa: E402
 from motor_adapter.scoring import Candidate, KvAffinityConfig  # noqa: E402
 from motor_adapter.settings import ServiceConfig  # noqa: E402
@@ -361,22 +361,6 @@ def stored_events(req: Request, stored: Sequence[int], evicted: Sequence[int], p
     return events
 
 
-class _NoStream:
-    """KvAffinity's subscriber, unused: the simulation feeds the index what a stream would."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def health(self) -> None:
-        return None
-
-
 class ShippedFeed:
     """The shipped router and dispatcher, fed the ranks' KV events through the real wire codec.
 
@@ -417,7 +401,7 @@ class ShippedFeed:
         (one endpoint, dp 0; its stream carries every rank)."""
         state = AdapterState(
             ServiceConfig(kv_affinity=cfg),
-            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_NoStream),
+            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
         )
         for i in range(len(self.names)):
             body = {"instance_id": f"vllm-prefill-{i}", "endpoint": self.stream(i), "type": "vLLM"}
@@ -444,7 +428,7 @@ class ShippedFeed:
         self.load_reports += 1
 
     def _affinity(self, cfg: KvAffinityConfig) -> KvAffinity:
-        affinity = KvAffinity(cfg, subscriber_factory=_NoStream)
+        affinity = KvAffinity(cfg, subscriber_factory=NoSubscriber)
         for name in self.names:
             affinity.add_instance(name, f"inproc://{name}")
         return affinity

@@ -130,30 +130,15 @@ def _client_main(base: str, bodies: dict[str, bytes], clients: int, seconds: flo
 
 
 def _build_state(args: argparse.Namespace, rng: random.Random) -> tuple[Any, list[list[int]]]:
-    from motor_adapter.affinity import KvAffinity
+    from motor_adapter.affinity import KvAffinity, NoSubscriber
     from motor_adapter.registration import parse_registration
     from motor_adapter.scoring import KvAffinityConfig
     from motor_adapter.service import AdapterState, ServiceConfig
     from sglang_kvpub import wire
 
-    class _Quiet:
-        """No stream: the bench fills the index directly and measures the HTTP path only."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
-        def health(self) -> None:
-            return None
-
     state = AdapterState(
         ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS)),
-        affinity_factory=lambda cfg, cap: KvAffinity(cfg, cap, subscriber_factory=_Quiet),
+        affinity_factory=lambda cfg, cap: KvAffinity(cfg, cap, subscriber_factory=NoSubscriber),
     )
     prompts = [_prompt(rng, args.tokens) for _ in range(args.prompts)]
     for i in range(args.instances):

@@ -27,7 +27,7 @@ from motor_adapter.scoring import Candidate, Decision, KvAffinityConfig, TierCou
 if TYPE_CHECKING:
     from sglang_kvpub.core.index import PrefixIndex
 
-__all__ = ["KvAffinity", "SubscriberFactory", "compat_endpoints", "decision_logger"]
+__all__ = ["KvAffinity", "NoSubscriber", "SubscriberFactory", "compat_endpoints", "decision_logger"]
 
 decision_logger = logging.getLogger("motor_adapter.decision")
 _log = logging.getLogger(__name__)
@@ -44,6 +44,23 @@ class _Subscriber(Protocol):
 
 SubscriberFactory = Callable[..., _Subscriber]
 """Builds a subscriber like ``motor_adapter.stream.StreamSubscriber`` (same arguments)."""
+
+
+class NoSubscriber:
+    """A subscriber that follows nothing: for a caller that feeds ``KvAffinity.index`` itself
+    (simulations, benches, tests) - ``KvAffinity(cfg, subscriber_factory=NoSubscriber)``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def health(self) -> None:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

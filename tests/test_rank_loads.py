@@ -17,7 +17,7 @@ import zmq
 from conftest import free_tcp_endpoint
 
 from motor_adapter.adapter_metrics import RANK_METRICS
-from motor_adapter.affinity import KvAffinity
+from motor_adapter.affinity import KvAffinity, NoSubscriber
 from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig, RankScored, motor_values, pick_instance
@@ -236,25 +236,12 @@ def test_motor_values_make_both_motors_pick_the_cheapest_rank() -> None:
 
 
 def _state() -> tuple[AdapterState, KvAffinity]:
-    class NoStream:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def start(self) -> None:
-            pass
-
-        def stop(self) -> None:
-            pass
-
-        def health(self) -> None:
-            return None
-
     state = AdapterState(
         ServiceConfig(kv_affinity=KvAffinityConfig(block_size=16)),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoStream),
+        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
     )
     for i in range(2):
-        body = {"instance_id": f"vllm-prefill-{i}", "endpoint": f"tcp://10.0.0.{i}:5557", "type": "vLLM"}
+        body = {"instance_id": f"vllm-prefill-{i}", "endpoint": f"tcp://127.0.0.{i + 1}:5557", "type": "vLLM"}
         state.register(parse_registration({**body, "modelname": "m", "block_size": 16, "dp_rank": 0}))
     affinity = state.affinity("m", "default", 16)
     assert affinity is not None
@@ -266,19 +253,19 @@ def test_query_scores_the_rank_that_would_serve_and_metrics_show_it() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 8 * 16))
     stored = wire.BlockStored(list(range(100, 108)), None, prompt, 16, medium="GPU")
-    affinity.index.apply_batch("tcp://10.0.0.0:5557", wire.EventBatch(0.0, [stored], 3))
+    affinity.index.apply_batch("tcp://127.0.0.1:5557", wire.EventBatch(0.0, [stored], 3))
     codec = wire.LoadReportCodec()
     busy = codec.decode(_report([0.0, 0.0, 0.0, 5000.0], {"cache_hit": 7, "no_hit": 2}))
     idle = codec.decode(_report([0.0, 0.0, 0.0, 0.0]))
     assert busy is not None and idle is not None
-    affinity.loads.apply("tcp://10.0.0.0:5557", busy)
-    affinity.loads.apply("tcp://10.0.0.1:5557", idle)
+    affinity.loads.apply("tcp://127.0.0.1:5557", busy)
+    affinity.loads.apply("tcp://127.0.0.2:5557", idle)
     answer = state.query("m", "default", 16, prompt)["default"]
     warm, cold = answer["vllm-prefill-0"], answer["vllm-prefill-1"]
     # Rank 3 holds all 128 tokens but has 5000 queued: an idle cold rank is cheaper (128 + 0).
     assert warm["dp_detail"]["0"]["scored_rank"] != 3 and warm["dp_detail"]["0"]["rank_cost"] == 128
     assert warm["longest_matched"] == 128  # the real longest hit is still shown
-    affinity.loads.apply("tcp://10.0.0.0:5557", idle)
+    affinity.loads.apply("tcp://127.0.0.1:5557", idle)
     answer = state.query("m", "default", 16, prompt)["default"]
     warm, cold = answer["vllm-prefill-0"], answer["vllm-prefill-1"]
     assert warm["dp_detail"]["0"]["scored_rank"] == 3 and warm["DP"]["0"] == 128 and warm["GPU"] == 128
@@ -290,7 +277,7 @@ def test_query_scores_the_rank_that_would_serve_and_metrics_show_it() -> None:
     assert 'motor_kv_adapter_scored_hit_tokens_total{engine_dp_rank="3",instance="vllm-prefill-0"} 128' in text
     assert 'motor_kv_adapter_dispatch_decisions_total{instance="vllm-prefill-0",reason="cache_hit"}' not in text
     assert 'motor_kv_adapter_rank_cached_tokens_total{dp_rank="3",instance="vllm-prefill-1"} 30' in text
-    affinity.loads.apply("tcp://10.0.0.0:5557", busy)
+    affinity.loads.apply("tcp://127.0.0.1:5557", busy)
     text = state.render_metrics()
     assert 'motor_kv_adapter_dispatch_decisions_total{instance="vllm-prefill-0",reason="cache_hit"} 7' in text
     assert 'motor_kv_adapter_instance_rank_load_skew{instance="vllm-prefill-0"} 4' in text
@@ -301,7 +288,7 @@ def test_without_rank_loads_the_answer_is_the_fold_as_before() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 4 * 16))
     stored = wire.BlockStored(list(range(100, 104)), None, prompt, 16, medium="GPU")
-    affinity.index.apply_batch("tcp://10.0.0.1:5557", wire.EventBatch(0.0, [stored], 2))
+    affinity.index.apply_batch("tcp://127.0.0.2:5557", wire.EventBatch(0.0, [stored], 2))
     entry = state.query("m", "default", 16, prompt)["default"]["vllm-prefill-1"]
     assert (entry["GPU"], entry["DP"], entry["dp_detail"]["0"]["engine_dp_rank"]) == (64, {"0": 64}, 2)
     assert "rank_cost" not in entry["dp_detail"]["0"]
@@ -314,7 +301,7 @@ def test_without_rank_loads_the_answer_is_the_fold_as_before() -> None:
 def test_grafana_dashboard_panels_name_metrics_the_adapter_exports() -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     state, affinity = _state()
-    affinity.loads.apply("tcp://10.0.0.0:5557", wire.LoadReportCodec().decode(_report([1.0, 2.0], {"no_hit": 1})))
+    affinity.loads.apply("tcp://127.0.0.1:5557", wire.LoadReportCodec().decode(_report([1.0, 2.0], {"no_hit": 1})))
     state.query("m", "default", 16, list(range(1, 1 + 4 * 16)))
     exported = {line.split()[2] for line in state.render_metrics().splitlines() if line.startswith("# TYPE ")}
     titles = set()

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from typing import Any
 
 import pytest
 
-from motor_adapter.affinity import KvAffinity
+from motor_adapter.affinity import KvAffinity, NoSubscriber
 from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
@@ -35,20 +34,6 @@ RANKS = 4
 MODEL = "m"
 
 
-class _NoStream:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def health(self) -> None:
-        return None
-
-
 def _stream(instance: int) -> str:
     return f"tcp://127.0.0.{instance + 1}:5557"
 
@@ -60,7 +45,7 @@ class Cluster:
         cfg = KvAffinityConfig(block_size=BS)
         self.state = AdapterState(
             ServiceConfig(kv_affinity=cfg),
-            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_NoStream),
+            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
         )
         for i in range(INSTANCES):
             body = {"instance_id": f"vllm-prefill-{i}", "endpoint": _stream(i), "type": "vLLM", "dp_rank": 0}

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from motor_adapter.affinity import KvAffinity
+from motor_adapter.affinity import KvAffinity, NoSubscriber
 from motor_adapter.registration import Registration, Unregistration
 from motor_adapter.scoring import KvAffinityConfig, conductor_response
 from motor_adapter.service import AdapterState, RequestError, ServiceConfig, u32_tokens
@@ -31,26 +31,10 @@ MODEL = "m"
 MEDIA = (wire.MEDIUM_GPU, wire.MEDIUM_CPU, wire.MEDIUM_DISK)
 
 
-class _Quiet:
-    """No stream: the test fills the index directly."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def health(self) -> None:
-        return None
-
-
 def _state(cfg: KvAffinityConfig, shape: str = "tokens") -> AdapterState:
     return AdapterState(
         ServiceConfig(kv_affinity=cfg, query_shape=shape),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=_Quiet),
+        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
     )
 
 
