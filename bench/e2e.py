@@ -99,7 +99,6 @@ def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, pro
                 time.sleep(args.gap_s)  # a think time between a user's turns, not synchronisation
     repeats = len(cached)
     served_from_cache = sum(1 for got, full in zip(cached, expected, strict=True) if got >= full > 0)
-    cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)
     return {
         "bench": "e2e",
         "dispatch": label,
@@ -113,6 +112,14 @@ def _rig_line(label: str, args: argparse.Namespace, work: Path, model: Path, pro
         "motor_scored_hit_fraction": round(sum(1 for s in scored if s > 0) / repeats, 3),
         "repeats_cached_fraction": round(served_from_cache / repeats, 3),
         "cached_tokens_per_repeat": round(sum(cached) / repeats, 1),
+        **_timings(cold_s, hot_s, errors, ready_s),
+    }
+
+
+def _timings(cold_s: Sequence[float], hot_s: Sequence[float], errors: int, ready_s: float) -> dict[str, Any]:
+    """The time fields both lines share: cold and hot medians, hot p90, their ratio, the samples."""
+    cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)
+    return {
         "cold_s_median": round(cold_med, 3),
         "hot_s_median": round(hot_med, 3),
         "hot_s_p90": round(percentile(hot_s, 90), 3),
@@ -162,7 +169,7 @@ def _pd_rig_line(
             rig.wait_for(
                 lambda ids=ids, holder=holder, full=full: (
                     holder is not None
-                    and int(rig.adapter_query(ids).get(f"vllm-prefill-{holder[0]}", {}).get("longest_matched", 0))
+                    and int(rig.prefill_hits(ids).get(f"vllm-prefill-{holder[0]}", {}).get("longest_matched", 0))
                     >= full
                 ),
                 "the adapter's hit on the cold prompt",
@@ -176,7 +183,6 @@ def _pd_rig_line(
                 scored_hits += bool(hot.scores and hot.scores[-1].matched > 0)
                 on_holder += hot.served == holder
                 time.sleep(args.gap_s)  # a think time between a user's turns, not synchronisation
-    cold_med, hot_med = statistics.median(cold_s), statistics.median(hot_s)
     return {
         "bench": "e2e_pd",
         "dispatch": label,
@@ -194,14 +200,7 @@ def _pd_rig_line(
         "motor_scored_hit_fraction": round(scored_hits / repeats, 3),
         "repeats_on_holding_rank_fraction": round(on_holder / repeats, 3),
         "repeats_cached_fraction": round(served_from_cache / repeats, 3),
-        "cold_s_median": round(cold_med, 3),
-        "hot_s_median": round(hot_med, 3),
-        "hot_s_p90": round(percentile(hot_s, 90), 3),
-        "hot_over_cold": round(hot_med / cold_med, 3) if cold_med else None,
-        "cold_s": [round(v, 3) for v in cold_s],
-        "hot_s": [round(v, 3) for v in hot_s],
-        "errors": errors,
-        "rig_ready_s": round(ready_s, 1),
+        **_timings(cold_s, hot_s, errors, ready_s),
     }
 
 

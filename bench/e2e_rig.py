@@ -13,8 +13,9 @@ from ``tests/``.  Every part is the real one, each in its own process:
   (:func:`motor_config_from_example`), the instance registered the way Motor's controller does.
 
 Requests go to Motor's ``/v1/completions``; what each part decided is read back from the
-three logs (:meth:`Rig.motor_scores`, :meth:`Rig.sglang_prefills`, :meth:`Rig.dispatches`),
-the same lines an operator reads (README "End to end").
+three logs (:meth:`Rig.complete`: :func:`parse_scores`, :func:`parse_prefills`,
+:func:`parse_dispatches`), the same lines an operator reads (README "End to end").  The
+lifecycle, the adapter's API and the waiting are the rigs' shared base (``bench/motor_rig.py``).
 """
 
 from __future__ import annotations
@@ -27,16 +28,12 @@ import importlib.util
 import json
 import random
 import re
-import subprocess
 import sys
-import threading
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import motor_rig
 import sglang_server
 
 from motor_adapter.tools.motor_coordinator import Coordinator, instance_event, topology
@@ -167,18 +164,18 @@ def motor_config_from_example(
     return config
 
 
-class Rig:
+class Rig(motor_rig.MotorRig):
     """The three processes, started by :meth:`start` and ended by :meth:`stop`."""
 
     def __init__(self, spec: RigSpec) -> None:
+        super().__init__(spec.work_dir, spec.start_timeout_s)
         self.spec = spec
-        spec.work_dir.mkdir(parents=True, exist_ok=True)
         example = json.loads(spec.motor_config.read_text(encoding="utf-8"))
         prefill = example["motor_engine_prefill_config"]
         self.model_name = str(prefill["model_config"]["model_name"])
         events = dict(prefill["engine_config"]["kv-events-config"])
-        self.adapter_port = sglang_server.free_port_block(1)
         self.server = sglang_server.Server(self._server_spec(events))
+        self.servers = [self.server]
         self.motor_config = motor_config_from_example(
             example,
             model_dir=spec.model_dir,
@@ -192,9 +189,6 @@ class Rig:
             worker_base_port=sglang_server.free_port_block(8),
         )
         self.coordinator = Coordinator(self.motor_config, spec.work_dir / "motor.log")
-        self.adapter_log = spec.work_dir / "adapter.log"
-        self._adapter: subprocess.Popen[bytes] | None = None
-        self.timings: dict[str, float] = {}
 
     def _server_spec(self, events: Mapping[str, Any]) -> sglang_server.ServerSpec:
         """SGLang as the example configures it (topic, buffer), on loopback ports."""
@@ -213,113 +207,46 @@ class Rig:
             extra_args=["--served-model-name", self.model_name, "--enable-cache-report"],
         )
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def start(self) -> Rig:
-        """SGLang (in a thread: it is the slow one), the adapter and Motor side by side; then
-        Motor's controller-style registration, and the adapter subscribed to the instance."""
-        began = time.monotonic()
-        failure: list[BaseException] = []
-
-        def start_server() -> None:
-            try:
-                self.server.start(timeout_s=self.spec.start_timeout_s)
-            except BaseException as exc:  # re-raised in the caller's thread
-                failure.append(exc)
-
-        thread = threading.Thread(target=start_server, name="sglang-start", daemon=True)
-        thread.start()
-        try:
-            self._start_adapter()
-            self.coordinator.start()
-            thread.join()
-            if failure:
-                raise failure[0]
-            self.timings["processes_ready_s"] = time.monotonic() - began
-            _mode, role = topology()
-            self.coordinator.add_instance(
-                instance_event(
-                    instance_id=0,
-                    model_name=self.model_name,
-                    http_host="127.0.0.1",
-                    http_port=self.server.spec.http_port,
-                    dp_size=self.spec.dp_size,
-                    role=role,
-                )
+    def _register(self) -> None:
+        """Motor's controller-style registration, and the adapter subscribed to the instance."""
+        _mode, role = topology()
+        self.coordinator.add_instance(
+            instance_event(
+                instance_id=0,
+                model_name=self.model_name,
+                http_host="127.0.0.1",
+                http_port=self.server.spec.http_port,
+                dp_size=self.spec.dp_size,
+                role=role,
             )
-            self.wait_for(lambda: f"registered {INSTANCE} dp 0" in self.adapter_text(), "Motor's registration")
-            found = f"instance stream with dp_size {self.spec.dp_size}"
-            self.wait_for(lambda: found in self.adapter_text(), "the adapter subscribed to the instance stream")
-        except BaseException:
-            thread.join(timeout=5)
-            self.stop()
-            raise
-        self.timings["ready_s"] = time.monotonic() - began
-        return self
-
-    def _start_adapter(self) -> None:
-        command = [sys.executable, "-m", "motor_adapter.cli", "serve", "--host", "127.0.0.1"]
-        command += ["--port", str(self.adapter_port), "--registry", "memory"]
-        with open(self.adapter_log, "wb") as log:
-            self._adapter = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.wait_for(lambda: self._adapter_get("/health") is not None, "the adapter's /health")
-
-    def stop(self) -> None:
-        self.coordinator.stop()
-        self.server.stop()
-        adapter, self._adapter = self._adapter, None
-        stop_process(adapter)
-
-    def __enter__(self) -> Rig:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        )
+        self.wait_for(lambda: f"registered {INSTANCE} dp 0" in self.adapter_text(), "Motor's registration")
+        found = f"instance stream with dp_size {self.spec.dp_size}"
+        self.wait_for(lambda: found in self.adapter_text(), "the adapter subscribed to the instance stream")
 
     # ------------------------------------------------------------------ requests
 
     def complete(self, prompt: str, *, max_tokens: int = 1, timeout_s: float = 600.0) -> Completion:
         """One ``/v1/completions`` through Motor (one at a time: log lines after its start are its own)."""
-        marks = (len(self.coordinator.log()), len(self.server.log_text()))
-        body = json.dumps({"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-        request = urllib.request.Request(
-            self.coordinator.infer_url + "/v1/completions",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        began = time.perf_counter()
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                status, raw = int(response.status), response.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = int(exc.code), exc.read()
-        seconds = time.perf_counter() - began
-        try:
-            answer: Any = json.loads(raw)
-        except ValueError:
-            answer = raw.decode(errors="replace")
+        marks = self.log_marks()
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        status, answer, seconds = self.post_completion(body, timeout_s)
         if status == 200:  # SGLang writes its prefill line just before it answers; wait for it
             with contextlib.suppress(AssertionError):
-                self.wait_for(lambda: parse_prefills(self.server.log_text()[marks[1] :]), "the prefill line", 10.0)
-        sglang_text = self.server.log_text()[marks[1] :]
+                self.wait_for(lambda: parse_prefills(self.log_since(marks)[1][0]), "the prefill line", 10.0)
+        motor_text, (sglang_text,) = self.log_since(marks)
         return Completion(
             status=status,
             body=answer,
             seconds=seconds,
-            scores=parse_scores(self.coordinator.log()[marks[0] :]),
+            scores=parse_scores(motor_text),
             prefills=parse_prefills(sglang_text),
             dispatches=parse_dispatches(sglang_text),
         )
 
     def adapter_hit(self, token_ids: list[int]) -> dict[str, Any] | None:
         """The adapter's /query answer for the instance (what Motor will read), or None."""
-        body = {"model": self.model_name, "block_size": self.spec.page_size, "token_ids": token_ids}
-        answer = self._adapter_post("/query", body)
-        if not isinstance(answer, dict):
-            return None
-        entry = answer.get("default", {}).get(INSTANCE)
+        entry = self.adapter_query(token_ids, self.spec.page_size).get(INSTANCE)
         return entry if isinstance(entry, dict) else None
 
     def wait_for_hit(self, token_ids: list[int], timeout_s: float = 60.0) -> dict[str, Any]:
@@ -333,70 +260,8 @@ class Rig:
         entry: dict[str, Any] = self.wait_for(covered, "the adapter's hit on the whole prompt", timeout_s)
         return entry
 
-    # ------------------------------------------------------------------ logs and HTTP
-
-    def adapter_text(self) -> str:
-        try:
-            return self.adapter_log.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def wait_for(self, check: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
-        """Polls ``check`` until truthy (a condition with a deadline); the three log tails on failure."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = check()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not reached in {timeout_s:.0f} s\n{self.tails()}")
-            time.sleep(0.1)  # polling a condition with a deadline
-
-    def tails(self, lines: int = 25) -> str:
-        parts = [self.server.log_tail(lines)]
-        for name, text in (("motor", self.coordinator.log()), ("adapter", self.adapter_text())):
-            tail = text.splitlines()[-lines:]
-            parts.append(f"--- last {len(tail)} lines of the {name} log ---\n" + "\n".join(tail))
-        return "\n".join(parts)
-
-    def _adapter_get(self, path: str) -> Any:
-        return self._adapter_call(urllib.request.Request(f"http://127.0.0.1:{self.adapter_port}{path}"))
-
-    def _adapter_post(self, path: str, body: Any) -> Any:
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{self.adapter_port}{path}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        return self._adapter_call(request)
-
-    @staticmethod
-    def _adapter_call(request: urllib.request.Request) -> Any:
-        """The JSON answer (text if not JSON); None when the adapter does not answer 200."""
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                raw = response.read()
-        except OSError:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw.decode(errors="replace")
-
 
 # --------------------------------------------------------------------------- log lines
-
-
-def stop_process(proc: subprocess.Popen[Any] | None) -> None:
-    """SIGTERM, then SIGKILL after 10 s: the rigs' adapter processes."""
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def parse_scores(text: str) -> list[MotorScore]:

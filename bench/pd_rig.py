@@ -32,17 +32,16 @@ import copy
 import dataclasses
 import json
 import random
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import e2e_rig
+import motor_rig
 import sglang_server
 
 from motor_adapter.tools.motor_coordinator import Coordinator, instance_event
@@ -153,12 +152,12 @@ def motor_pd_config_from_example(
     return config
 
 
-class PdRig:
+class PdRig(motor_rig.MotorRig):
     """Two prefills, a decode, the adapter and Motor; :meth:`start` and :meth:`stop`."""
 
     def __init__(self, spec: PdRigSpec) -> None:
+        super().__init__(spec.work_dir, spec.start_timeout_s)
         self.spec = spec
-        spec.work_dir.mkdir(parents=True, exist_ok=True)
         example = json.loads(spec.motor_config.read_text(encoding="utf-8"))
         prefill_section = example["motor_engine_prefill_config"]
         self.model_name = str(prefill_section["model_config"]["model_name"])
@@ -172,7 +171,7 @@ class PdRig:
             for n, host in enumerate(PREFILL_HOSTS)
         ]
         self.decode = sglang_server.Server(self._decode_spec())
-        self.adapter_port = sglang_server.free_port_block(1)
+        self.servers = [*self.prefills, self.decode]
         self.motor_config = motor_pd_config_from_example(
             example,
             model_dir=spec.model_dir,
@@ -187,9 +186,6 @@ class PdRig:
         motor_env = {k: str(v) for k, v in self.engine_env["motor_coordinator_env"].items()}
         motor_env["DISAGGREGATION_BOOTSTRAP_PORT"] = str(self.bootstrap_port)
         self.coordinator = Coordinator(self.motor_config, spec.work_dir / "motor.log", env=motor_env)
-        self.adapter_log = spec.work_dir / "adapter.log"
-        self._adapter: subprocess.Popen[bytes] | None = None
-        self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ specs
 
@@ -271,50 +267,18 @@ class PdRig:
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def servers(self) -> list[sglang_server.Server]:
-        return [*self.prefills, self.decode]
-
-    def start(self) -> PdRig:
-        """The three servers (threads: they are the slow part), the adapter and Motor side by
-        side; then Motor's controller-style registration of all three instances."""
-        began = time.monotonic()
-        failures: list[BaseException] = []
-
-        def start_server(server: sglang_server.Server) -> None:
-            try:
-                server.start(timeout_s=self.spec.start_timeout_s)
-            except BaseException as exc:  # re-raised in the caller's thread
-                failures.append(exc)
-
-        threads = [threading.Thread(target=start_server, args=(s,), daemon=True) for s in self.servers]
-        for thread in threads:
-            thread.start()
-        try:
-            self._start_adapter()
-            self.coordinator.start()
-            for thread in threads:
-                thread.join()
-            if failures:
-                raise failures[0]
-            self.timings["processes_ready_s"] = time.monotonic() - began
-            self.coordinator.add_instance(self._instances_event())
-            for n in range(len(self.prefills)):
-                self.wait_for(
-                    lambda n=n: f"registered vllm-prefill-{n} dp 0" in self.adapter_text(),
-                    f"Motor's registration of prefill {n}",
-                )
-            found = f"instance stream with dp_size {self.spec.dp_size}"
+    def _register(self) -> None:
+        """Motor's controller-style registration of all three instances; the adapter on both streams."""
+        self.coordinator.add_instance(self._instances_event())
+        for n in range(len(self.prefills)):
             self.wait_for(
-                lambda: self.adapter_text().count(found) >= len(self.prefills), "the adapter on both instance streams"
+                lambda n=n: f"registered vllm-prefill-{n} dp 0" in self.adapter_text(),
+                f"Motor's registration of prefill {n}",
             )
-        except BaseException:
-            for thread in threads:
-                thread.join(timeout=5)
-            self.stop()
-            raise
-        self.timings["ready_s"] = time.monotonic() - began
-        return self
+        found = f"instance stream with dp_size {self.spec.dp_size}"
+        self.wait_for(
+            lambda: self.adapter_text().count(found) >= len(self.prefills), "the adapter on both instance streams"
+        )
 
     def _instances_event(self) -> Any:
         """One ``InsEventMsg(add)`` with the two prefills and the decode (Motor's own classes)."""
@@ -344,73 +308,32 @@ class PdRig:
             event.instances.extend(other.instances)
         return event
 
-    def _start_adapter(self) -> None:
-        command = [sys.executable, "-m", "motor_adapter.cli", "serve", "--host", "127.0.0.1"]
-        command += ["--port", str(self.adapter_port), "--registry", "memory"]
-        with open(self.adapter_log, "wb") as log:
-            self._adapter = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.wait_for(lambda: self._adapter_call("/health") is not None, "the adapter's /health")
-
-    def stop(self) -> None:
-        self.coordinator.stop()
-        for server in self.servers:
-            server.stop()
-        adapter, self._adapter = self._adapter, None
-        e2e_rig.stop_process(adapter)
-
-    def __enter__(self) -> PdRig:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------ requests
 
     def complete(self, prompt: str, *, max_tokens: int = 4, timeout_s: float = 600.0) -> PdCompletion:
         """One ``/v1/completions`` through Motor (one at a time: log lines after its start are its own)."""
-        marks = [len(self.coordinator.log())] + [len(s.log_text()) for s in self.servers]
-        body = json.dumps(
-            {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        )
-        request = urllib.request.Request(
-            self.coordinator.infer_url + "/v1/completions",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        began = time.perf_counter()
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                status, raw = int(response.status), response.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = int(exc.code), exc.read()
-        seconds = time.perf_counter() - began
-        try:
-            answer: Any = json.loads(raw)
-        except ValueError:
-            answer = raw.decode(errors="replace")
-
-        def texts() -> list[str]:
-            return [s.log_text()[mark:] for s, mark in zip(self.servers, marks[1:], strict=True)]
-
+        marks = self.log_marks()
+        body = {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        status, answer, seconds = self.post_completion({**body, "ignore_eos": True}, timeout_s)
+        prefills = range(len(self.prefills))
         if status == 200:  # a prefill writes its batch line around the time the decode answers
             with contextlib.suppress(AssertionError):
                 self.wait_for(
-                    lambda: any(e2e_rig.parse_prefills(t) for t in texts()[: len(self.prefills)]), "prefill line", 10.0
+                    lambda: any(e2e_rig.parse_prefills(self.log_since(marks)[1][n]) for n in prefills),
+                    "prefill line",
+                    10.0,
                 )
-        logs = texts()
-        motor_text = self.coordinator.log()[marks[0] :]
+        motor_text, logs = self.log_since(marks)
         return PdCompletion(
             status=status,
             body=answer,
             seconds=seconds,
             scores=parse_scores(motor_text),
-            prefills={n: e2e_rig.parse_prefills(logs[n]) for n in range(len(self.prefills))},
-            dispatches={n: e2e_rig.parse_dispatches(logs[n]) for n in range(len(self.prefills))},
+            prefills={n: e2e_rig.parse_prefills(logs[n]) for n in prefills},
+            dispatches={n: e2e_rig.parse_dispatches(logs[n]) for n in prefills},
             decode_lines=logs[-1].splitlines(),
             motor_lines=motor_text.splitlines(),
-            prefill_lines={n: logs[n].splitlines() for n in range(len(self.prefills))},
+            prefill_lines={n: logs[n].splitlines() for n in prefills},
         )
 
     def seed(self, prompt: str, prefill: int, *, timeout_s: float = 600.0) -> list[int]:
@@ -444,53 +367,9 @@ class PdRig:
         to_prefill.join()
         return statuses
 
-    def adapter_query(self, token_ids: list[int]) -> dict[str, Any]:
+    def prefill_hits(self, token_ids: list[int]) -> dict[str, Any]:
         """The adapter's /query answer per prefill instance id (what Motor will read)."""
-        body = {"model": self.model_name, "block_size": self.spec.page_size, "token_ids": token_ids}
-        answer = self._adapter_call("/query", body)
-        tenant = answer.get("default", {}) if isinstance(answer, dict) else {}
-        return dict(tenant)
-
-    # ------------------------------------------------------------------ logs and HTTP
-
-    def adapter_text(self) -> str:
-        try:
-            return self.adapter_log.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return ""
-
-    def wait_for(self, check: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
-        """Polls ``check`` until truthy (a condition with a deadline); the log tails on failure."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = check()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{what}: not reached in {timeout_s:.0f} s\n{self.tails()}")
-            time.sleep(0.1)  # polling a condition with a deadline
-
-    def tails(self, lines: int = 25) -> str:
-        parts = [s.log_tail(lines) for s in self.servers]
-        for name, text in (("motor", self.coordinator.log()), ("adapter", self.adapter_text())):
-            tail = text.splitlines()[-lines:]
-            parts.append(f"--- last {len(tail)} lines of the {name} log ---\n" + "\n".join(tail))
-        return "\n".join(parts)
-
-    def _adapter_call(self, path: str, body: Any = None) -> Any:
-        """The JSON answer (text if not JSON); None when the adapter does not answer 200."""
-        url = f"http://127.0.0.1:{self.adapter_port}{path}"
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                raw = response.read()
-        except OSError:
-            return None
-        try:
-            return json.loads(raw)
-        except ValueError:
-            return raw.decode(errors="replace")
+        return self.adapter_query(token_ids, self.spec.page_size)
 
 
 def parse_scores(text: str) -> list[PdScore]:

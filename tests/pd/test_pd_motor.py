@@ -197,10 +197,14 @@ def _wait_for_hit(
     target = holder[0] if holder is not None else instance
 
     def covered() -> dict[str, Any] | None:
-        entry = rig.pd.adapter_query(ids).get(f"vllm-prefill-{target}")
+        entry = rig.pd.prefill_hits(ids).get(f"vllm-prefill-{target}")
         if not entry or int(entry.get("longest_matched", 0)) < full:
             return None
-        if holder is not None and entry["dp_detail"]["0"]["engine_dp_rank"] != holder[1]:
+        # Each /query counts the prompt on the rank it scores until the instance's next load
+        # report (docs/dispatch.md), so these polls can briefly make another rank the cheaper
+        # one (engine_dp_rank None): wait until the answer names the holding rank.
+        rank = entry["dp_detail"]["0"]["engine_dp_rank"]
+        if rank is None or (holder is not None and rank != holder[1]):
             return None
         return dict(entry)
 

@@ -8,6 +8,7 @@ stand-ins it puts on the server's PYTHONPATH are ``bench/cpu_shims`` (README the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -15,7 +16,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +27,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
+import e2e_checks as checks  # noqa: E402  (tests/e2e_checks.py)
 import sglang_server  # noqa: E402  (bench/sglang_server.py)
 from conftest import free_port_block  # noqa: E402  (tests/conftest.py)
+from npu.npu_engine import StreamRecorder  # noqa: E402  (tests/npu: a plain SUB on the stream)
 
 SERVER_MODULES = sglang_server.SERVER_MODULES
 
@@ -114,3 +118,117 @@ def adapter_factory(tmp_path: Path) -> Iterator[Any]:
     yield make
     for adapter in made:
         adapter.stop()
+
+
+@dataclass
+class PluginRig:
+    """One real server with ``--plugin sglang_kvpub``, a plain SUB on its instance stream, and
+    ``motor-kv-adapter serve`` registered for it as Motor registers a fanned-in instance."""
+
+    server: sglang_server.Server
+    recorder: StreamRecorder
+    adapter: Adapter
+    log_dir: Path
+    instance: str
+    model: str
+    page: int
+    core: str
+
+    def select(self, token_ids: list[int]) -> dict[str, Any]:
+        """The adapter's ``/select`` over this one instance."""
+        body = {"model": self.model, "block_size": self.page, "candidates": [{"instance_id": self.instance, "load": 0}]}
+        decision: dict[str, Any] = self.adapter.call("/select", {**body, "token_ids": token_ids})
+        return decision
+
+    def until(self, check: Callable[[], Any], what: str, timeout_s: float = 120.0) -> Any:
+        """Re-runs ``check`` until it returns a truthy value (polling with a deadline)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            value = check()
+            if value:
+                return value
+            assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s\n{self.server.log_tail(30)}"
+            time.sleep(0.1)  # polling a condition with a deadline
+
+    def kill9_seen_dead(self, token_ids: list[int], timeout_s: float) -> None:
+        """``kill -9`` of the server once the adapter holds ``token_ids``: the adapter marks the
+        instance dead (every stream disconnected) and drops its blocks, and logs so."""
+        self.until(lambda: self.select(token_ids)["policy"] == checks.POLICY_AFFINITY, "the adapter's hit")
+        self.server.kill9()
+        assert not self.server.alive()
+
+        def dead() -> bool:
+            workers = self.adapter.call("/workers")["workers"]
+            healths = [h for w in workers for hs in w["health"].values() for h in hs]
+            return bool(healths) and not any(h["connected"] for h in healths)
+
+        self.until(dead, "the instance marked dead", timeout_s)
+        self.until(
+            lambda: self.select(token_ids)["policy"] == checks.POLICY_LOAD_BALANCE, "its blocks dropped", timeout_s
+        )
+        assert "marked dead, its blocks dropped" in (self.log_dir / "adapter.log").read_text()
+
+    def quiet(self) -> None:
+        """Waits until two instance heartbeats followed the last request: the ranks' flushes
+        (each request's events, then the idle flush) have passed the fan-in."""
+        start = self.recorder.last_seq()
+        self.until(
+            lambda: sum(1 for seq, b in self.recorder.snapshot() if seq > start and not b.events) >= 2,
+            "two heartbeats",
+            120.0,
+        )
+
+
+@contextlib.contextmanager
+def plugin_rig(
+    model: Path,
+    log_dir: Path,
+    *,
+    instance: str,
+    model_name: str,
+    page: int,
+    dp_size: int,
+    tree_core: str = "rust",
+    extra_args: Sequence[str] = (),
+    started: Callable[[sglang_server.Server], None] | None = None,
+) -> Iterator[PluginRig]:
+    """The server (heartbeats every 0.2 s, 4096 tokens per rank), the recorder and the adapter;
+    all stopped on exit.  ``started(server)``: called once the server is up (e.g. to report)."""
+    server = start_server(
+        model,
+        log_dir,
+        plugin=True,
+        tree_core=tree_core,
+        page_size=page,
+        dp_size=dp_size,
+        max_total_tokens=4096,
+        kv_events_extra={"heartbeat_s": 0.2},
+        extra_args=tuple(extra_args),
+    )
+    if started is not None:
+        started(server)
+    recorder = StreamRecorder(server.spec.stream_endpoint, sglang_server.TOPIC)
+    adapter = None
+    try:
+        adapter = Adapter(log_dir / "adapter.log")
+        registered = adapter.call(
+            "/register",
+            {
+                "instance_id": instance,
+                "dp_rank": 0,
+                "medium_endpoints": {"npu": server.spec.stream_endpoint},
+                "replay_endpoint": f"tcp://127.0.0.1:{server.spec.replay_port}",
+                "type": "sglang",
+                "modelname": model_name,
+                "block_size": page,
+                "fanned_in": True,
+                "dp_size": dp_size,
+            },
+        )
+        assert registered["status"], registered
+        yield PluginRig(server, recorder, adapter, log_dir, instance, model_name, page, tree_core)
+    finally:
+        if adapter is not None:
+            adapter.stop()
+        recorder.close()
+        server.stop()
