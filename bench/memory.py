@@ -119,7 +119,9 @@ def _pymalloc() -> dict[str, int]:
     return out
 
 
-def _snapshot() -> dict[str, int]:
+def memory_snapshot() -> dict[str, int]:
+    """RSS, pymalloc's and glibc's totals of this process, after a full collection (also
+    served by bench/scale.py's adapter)."""
     gc.collect()
     return {"rss": _rss_bytes(), **_pymalloc(), **_glibc()}
 
@@ -149,6 +151,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     import tracemalloc
 
     from sglang_kvpub.core import hashing
+    from sglang_kvpub.core.hashing import token_ids_from_msgpack
     from sglang_kvpub.core.index import PrefixIndex
     from sglang_kvpub.wire import BatchDecoder, BatchEncoder, BlockRemoved, BlockStored, EventBatch, enrich_batch
 
@@ -167,18 +170,23 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     errors: list[BaseException] = []
 
     def consume(inbox: queue.SimpleQueue[tuple[str, int, bytes] | None]) -> None:
-        decoder = BatchDecoder()
+        """As a stream subscriber: every payload waiting is received and decoded, then the
+        decoded batches are applied in order (``_read_live``, then ``_drain``)."""
+        decoder = BatchDecoder(token_ids=token_ids_from_msgpack)  # as motor_adapter.stream builds it
+        decoded: list[tuple[str, int, Any]] = []
         while True:
             item = inbox.get()
-            if item is None:
-                done.release()
-                continue
-            name, rank, payload = item
             try:
-                batch = decoder.decode(bytes(payload))  # ZMQ's copy=True receive: a bytes of its own
-                index.apply_batch(name, batch, dp_rank=rank)
+                if item is not None:
+                    name, rank, payload = item
+                    decoded.append((name, rank, decoder.decode(bytes(payload))))  # ZMQ's copy=True: its own bytes
+                    continue
+                for name, rank, batch in decoded:
+                    index.apply_batch(name, batch, dp_rank=rank)
             except BaseException as exc:  # reported by the driver
                 errors.append(exc)
+            decoded.clear()
+            done.release()
 
     for inbox in inboxes:
         threading.Thread(target=consume, args=(inbox,), daemon=True).start()
@@ -233,14 +241,14 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.trace:
         tracemalloc.start()
-    before = _snapshot()
+    before = memory_snapshot()
     traced_before = tracemalloc.get_traced_memory()[0] if args.trace else 0
     started = time.perf_counter()
     wave(system)
     for _ in range(args.rank_blocks // args.new_pages):
         wave(request)
     fill_s = time.perf_counter() - started
-    full = _snapshot()
+    full = memory_snapshot()
     count = entries()
     stats = index.stats()
     out: dict[str, Any] = {
@@ -262,7 +270,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             )
     for _ in range(args.steady_waves):
         wave(request)
-    steady = _snapshot()
+    steady = memory_snapshot()
     out["steady_rss_bytes_per_entry"] = round((steady["rss"] - before["rss"]) / entries(), 1)
     out["steady_index_bytes_per_entry"] = round(index.stats().bytes_per_entry, 1)
     if errors:

@@ -1100,6 +1100,54 @@ static PyObject *native_u32_from_msgpack(PyObject *self, PyObject *arg) {
     return out;
 }
 
+/* u32_count_msgpack(raw) -> int
+ *
+ * The length of one msgpack array of integers in [0, 2^32) (a stored event's `token_ids` as
+ * received), every item checked as u32_from_msgpack checks it, nothing allocated: the
+ * adapter's decoder keeps the ids as those bytes (wire.MsgpackIds) and reads them into u32
+ * only when the index hashes them.  ValueError as u32_from_msgpack's. */
+static PyObject *native_u32_count_msgpack(PyObject *self, PyObject *arg) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) {
+        return NULL;
+    }
+    const unsigned char *at = view.buf;
+    const unsigned char *stop = at + view.len;
+    Py_ssize_t count = -1;
+    if (view.len >= 1 && (at[0] & 0xf0) == 0x90) {
+        count = at[0] & 0x0f;
+        at += 1;
+    } else if (view.len >= 3 && at[0] == 0xdc) {
+        count = (Py_ssize_t)read_be(at + 1, 2);
+        at += 3;
+    } else if (view.len >= 5 && at[0] == 0xdd) {
+        count = (Py_ssize_t)read_be(at + 1, 4);
+        at += 5;
+    }
+    PyObject *out = NULL;
+    if (count < 0) {
+        PyErr_SetString(PyExc_ValueError, "token_ids must be an array");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint32_t value;
+        const Py_ssize_t taken = at < stop ? msgpack_u32(at, stop, &value) : 0;
+        if (taken == 0) {
+            PyErr_Format(PyExc_ValueError, "token_ids[%zd] must be an integer in [0, 2^32)", i);
+            goto done;
+        }
+        at += taken;
+    }
+    if (at != stop) {
+        PyErr_SetString(PyExc_ValueError, "token_ids: trailing bytes after the array");
+        goto done;
+    }
+    out = PyLong_FromSsize_t(count);
+done:
+    PyBuffer_Release(&view);
+    return out;
+}
+
 /* The end of the msgpack value starting at `at`, or NULL when it is malformed or runs past
  * `stop`.  Iterative: containers add their items to the count still to skip. */
 static const unsigned char *msgpack_skip(const unsigned char *at, const unsigned char *stop) {
@@ -1961,6 +2009,8 @@ static PyMethodDef native_methods[] = {
      "u32_from_ints(ids) -> little-endian u32 bytes of a list or tuple of ints (each cast & 0xFFFFFFFF)."},
     {"u32_from_msgpack", native_u32_from_msgpack, METH_O,
      "u32_from_msgpack(raw) -> little-endian u32 bytes of a msgpack array of integers in [0, 2^32)."},
+    {"u32_count_msgpack", native_u32_count_msgpack, METH_O,
+     "u32_count_msgpack(raw) -> the length of a msgpack array of integers in [0, 2^32), each checked."},
     {"take_token_ids", native_take_token_ids, METH_O,
      "take_token_ids(body) -> (u32 bytes | None, body without token_ids): a msgpack /query body split."},
     {"dispatch_score", native_dispatch_score, METH_VARARGS,
