@@ -6,10 +6,12 @@ the shared 8-page system prompt, then waves of one request per rank, each reques
 ``BlockRemoved`` of the pages it evicts and ONE ``BlockStored`` of ``--new-pages`` pages
 under the system prompt (token ids drawn from a pool of 1,024 pages, engine hashes random).
 Every batch goes through the shipped path of the serve process: ``enrich_batch`` +
-``BatchEncoder`` (the fan-in's encode), then in the consumer thread a copy of the payload
-(ZMQ's ``copy=True`` receive), ``BatchDecoder.decode`` and ``PrefixIndex.apply_batch``.
-``--threads`` consumer threads (the serve process today: one per stream) take the
-instances round-robin, one decoder each.
+``BatchEncoder`` (the fan-in's encode), then in a consumer thread ``BatchDecoder.decode``
+built as ``motor_adapter.stream`` builds it and ``PrefixIndex.apply_batch``, the way a
+stream subscriber takes them: every payload waiting is decoded first, then the decoded
+batches are applied in order.  ``--threads`` consumer threads (the serve process today:
+one per stream) take the instances round-robin, one decoder each; a wave (one batch per
+rank) is in flight at a time, as in bench/scale.py's fill.
 
 Each configuration runs in a FRESH subprocess (the RSS of one run must not hold another's
 heap).  Measured there, as bench/scale.py measures the serve process:
@@ -151,7 +153,8 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     import tracemalloc
 
     from sglang_kvpub.core import hashing
-    from sglang_kvpub.core.hashing import token_ids_from_msgpack
+
+    token_ids_from_msgpack = getattr(hashing, "token_ids_from_msgpack", None)
     from sglang_kvpub.core.index import PrefixIndex
     from sglang_kvpub.wire import BatchDecoder, BatchEncoder, BlockRemoved, BlockStored, EventBatch, enrich_batch
 
@@ -172,19 +175,22 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     def consume(inbox: queue.SimpleQueue[tuple[str, int, bytes] | None]) -> None:
         """As a stream subscriber: every payload waiting is received and decoded, then the
         decoded batches are applied in order (``_read_live``, then ``_drain``)."""
-        decoder = BatchDecoder(token_ids=token_ids_from_msgpack)  # as motor_adapter.stream builds it
+        # as motor_adapter.stream builds it (a plain decoder before the compact ids existed)
+        decoder = BatchDecoder(token_ids=token_ids_from_msgpack) if token_ids_from_msgpack else BatchDecoder()
         decoded: list[tuple[str, int, Any]] = []
         while True:
             item = inbox.get()
             try:
                 if item is not None:
                     name, rank, payload = item
-                    decoded.append((name, rank, decoder.decode(bytes(payload))))  # ZMQ's copy=True: its own bytes
+                    decoded.append((name, rank, decoder.decode(payload)))
                     continue
                 for name, rank, batch in decoded:
                     index.apply_batch(name, batch, dp_rank=rank)
             except BaseException as exc:  # reported by the driver
                 errors.append(exc)
+                if item is not None:
+                    continue
             decoded.clear()
             done.release()
 
@@ -252,6 +258,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     count = entries()
     stats = index.stats()
     out: dict[str, Any] = {
+        **_index_parts(index, count),
         "threads": threads,
         "native": hashing.NATIVE is not None,
         "entries": count,
@@ -273,9 +280,29 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     steady = memory_snapshot()
     out["steady_rss_bytes_per_entry"] = round((steady["rss"] - before["rss"]) / entries(), 1)
     out["steady_index_bytes_per_entry"] = round(index.stats().bytes_per_entry, 1)
+    out.update({f"steady_{name}": value for name, value in _index_parts(index, entries()).items()})
     if errors:
         out["errors"] = repr(errors[:3])
     return out
+
+
+def _index_parts(index: Any, entries: int) -> dict[str, float]:
+    """The index's own account split by structure, per entry (its private tables: a bench
+    may look): the tier dicts' tables, their key ints, the engine hash -> key maps."""
+    tables = sum(sys.getsizeof(masks) for masks in index._masks)
+    keys = sum(len(masks) for masks in index._masks)
+    maps = sum(sys.getsizeof(m) for worker in index._workers.values() for m in worker.maps)
+    return {
+        "tier_dict_bytes_per_entry": round(tables / entries, 1),
+        "tier_dict_slots": sum(_dict_slots(masks) for masks in index._masks),
+        "key_int_bytes_per_entry": round(keys * 48 / entries, 1),
+        "engine_map_bytes_per_entry": round(maps / entries, 1),
+    }
+
+
+def _dict_slots(table: dict[int, int]) -> int:
+    """The size of a dict's hash table (a power of two), from its __sizeof__."""
+    return 1 << max(0, (sys.getsizeof(table) // 28).bit_length() - 1) if table else 0
 
 
 def _run_child(args: argparse.Namespace, threads: int, trace: bool) -> dict[str, Any]:

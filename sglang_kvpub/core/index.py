@@ -16,9 +16,18 @@ belongs to one instance, so a query's hits are emitted a byte at a time), recycl
 :meth:`PrefixIndex.clear_instance`, lowest page first, to keep masks short.  Per tier,
 one dict maps a key to the workers holding it: ``~wid`` (a negative int) for a single
 holder - most blocks have one, and a small int costs far less than a wide bitmask - else
-an int bitmask of two or more.  Per worker and tier, one dict maps engine hash -> key.
-A query walks the prompt's keys once, ANDing masks, and only touches individual workers
-when they leave a tier phase.
+an int bitmask of two or more.  Per worker and tier, one map engine hash -> key: with the
+C helpers a ``_native.HashKeys`` (both u64 in one 16-byte slot of an open-addressing table,
+load <= 0.75, no int object per engine hash), else a dict.  A query walks the prompt's keys
+once, ANDing masks, and only touches individual workers when they leave a tier phase.
+
+Memory (bench/memory.py on bench/scale.py's workload, every user block held by one rank):
+~133 bytes per (worker, block) entry - the key's int object (48, pymalloc), its slot in the
+tier dict (~52), the engine-hash slot (~33) - which ``stats().bytes_per_entry`` counts.
+Removals grow the tier dict: CPython resizes a dict whose entry array filled up to 3x its
+live keys, so under an LRU's churn its table doubles once (~104 per entry, ~185 in all).
+With dict maps (the Python fallback) add an int and a dict slot per engine hash (~187
+after a fill).
 
 Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
 CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
