@@ -135,7 +135,7 @@ class MsgpackIds(Sequence[int]):
     def __eq__(self, other: object) -> bool:
         if isinstance(other, MsgpackIds):
             return bytes(self.raw) == bytes(other.raw)
-        return isinstance(other, (list, tuple)) and list(self) == list(other)
+        return isinstance(other, list) and list(self) == other
 
     __hash__ = None  # type: ignore[assignment]  # equal to a list: unhashable like one
 
