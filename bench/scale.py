@@ -486,7 +486,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             _drained(base, filled["batches"], deadline_s=120, idle_s=0.0)
         _drained(base, filled["batches"], deadline_s=120, idle_s=0.5)
         fill_s = time.monotonic() - fill_started
-        mem_full = _http(base + "/bench-memory")
+        memory = _memory_figures(_http(base + "/bench-memory"), mem_empty, filled["entries"])
         mine.send(("run",))
         time.sleep(args.warmup)
         guard = _MemoryGuard([adapter.pid, generator.pid or 0], args.max_rss_gb)
@@ -499,36 +499,20 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             guard.stop()
         record["peak_rss_gb"] = round(guard.peak / 2**30, 2)
-        if guard.tripped:
+        if guard.tripped:  # the fill's memory figures were taken before: kept
             record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
-            record.update(instances=instances, ranks=instances * RANKS, entries=filled["entries"])
+            record.update(instances=instances, ranks=instances * RANKS, fill_s=round(fill_s, 1), **memory)
             return record
         mine.send(("stats",))
         gen = mine.recv()
         record.update(_stream_faults(base))
-        entries = filled["entries"]
-        index_bytes = mem_full["rss"] - mem_empty["rss"]
-        estimate = mem_full["index_bytes"]  # the index's own account, for this workload
-        growth = {
-            f"{name}_per_entry": round((mem_full[name] - mem_empty[name]) / entries, 1)
-            for name in ("pymalloc_used", "pymalloc_arena_bytes", "malloc_in_use", "malloc_free", "malloc_mmapped")
-            if name in mem_full and name in mem_empty
-        }
         record.update(
             {
                 "instances": instances,
                 "ranks": instances * RANKS,
                 "register_all_s": round(registered_s, 2),
                 "fill_s": round(fill_s, 1),
-                "entries": entries,
-                "index_entries": mem_full["index_entries"],
-                "rss_index_mb": round(index_bytes / 2**20, 1),
-                "rss_estimate_mb": round(estimate / 2**20, 1),
-                "estimate_bytes_per_entry": round(estimate / entries, 1),
-                "rss_over_estimate": round(index_bytes / estimate, 3),
-                "rss_bytes_per_entry": round(index_bytes / entries, 1),
-                "budget_bytes_per_entry": BUDGET_BYTES,
-                **growth,
+                **memory,
                 "rss_mb": round(_rss_bytes(adapter.pid) / 2**20, 1),
                 "offered_batches_per_s": gen["offered_batches_per_s"],
                 "achieved_batches_per_s": gen["achieved_batches_per_s"],
@@ -551,6 +535,28 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             os.killpg(adapter.pid, signal.SIGKILL)
             adapter.wait()
+
+
+def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -> dict[str, Any]:
+    """The adapter's RSS growth over the fill against the index's own account of its bytes
+    (for this workload) and the issue's budget per entry; the growth split by allocator."""
+    grown = full["rss"] - empty["rss"]
+    estimate = full["index_bytes"]
+    return {
+        "entries": entries,
+        "index_entries": full["index_entries"],
+        "rss_index_mb": round(grown / 2**20, 1),
+        "rss_estimate_mb": round(estimate / 2**20, 1),
+        "estimate_bytes_per_entry": round(estimate / entries, 1),
+        "rss_over_estimate": round(grown / estimate, 3),
+        "rss_bytes_per_entry": round(grown / entries, 1),
+        "budget_bytes_per_entry": BUDGET_BYTES,
+        **{
+            f"{name}_per_entry": round((full[name] - empty[name]) / entries, 1)
+            for name in ("pymalloc_used", "pymalloc_arena_bytes", "malloc_in_use", "malloc_free", "malloc_mmapped")
+            if name in full and name in empty
+        },
+    }
 
 
 def _health(base: str) -> list[dict[str, Any]]:
