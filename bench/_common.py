@@ -115,6 +115,7 @@ TARGETS: tuple[Target, ...] = (
     Target("scale", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3, where=(("instances", 100),)),
     Target("scale", "rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
     Target("scale", "rss_over_estimate", ">=", 0.8, where=(("instances", 100),)),
+    Target("scale", "rss_bytes_per_entry", "<=", "budget_bytes_per_entry", factor=1.2, where=(("instances", 100),)),
     Target("dispatch", "decision_us_p50", "<=", 50.0),
     Target("dispatch", "decision_us_p99_cold", "<=", 50.0),
     Target("dispatch", "decision_us_p99_partial", "<=", 50.0),

@@ -30,8 +30,10 @@ Measured while it ingests, from this (driver) process:
   adapter's event-loop thread's CPU time (``/proc/PID/task/PID/stat``) over each phase,
   per request - the stream threads' ingest CPU is not in it.
 - RSS of the adapter after the fill, minus its RSS once every instance was registered and
-  synced (empty index), against ``144 B x entries`` (entries: (worker, block) pairs held,
-  counted by the generator's model of each rank).
+  synced (empty index), against the index's own account of its bytes (``PrefixIndex.stats()``
+  in the adapter, read through a bench-only route), and per entry against the issue's
+  budget of 144 B (entries: (worker, block) pairs held, counted by the generator's model of
+  each rank).  Beside it, the same growth split by allocator (bench/memory.py's fields).
 - ``ingest_cpu_pct``: the adapter's whole CPU over the measurement (all threads), and the
   generator's achieved batch rate against the offered one (``generator_keeps_up``).
 
@@ -67,14 +69,16 @@ BS = 128
 RANKS = 16
 MODEL = "scale-model"
 SYSTEM_PAGES = 8
-ESTIMATE_BYTES = 144  # the index's cost per (worker, block) entry (bench/index.py: bytes_per_entry)
+BUDGET_BYTES = 144  # the issue's budget per (worker, block) entry; the estimate is the index's own account
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# The adapter: `motor-kv-adapter serve`'s own entry point, its app given a /noop route first.
+# The adapter: `motor-kv-adapter serve`'s own entry point, its app given a /noop route first,
+# and /bench-memory: its RSS, allocators (bench/memory.py) and the indexes' own account.
 _ADAPTER = """
 import sys
 from aiohttp import web
 import motor_adapter.service as service
+from bench.memory import memory_snapshot
 
 _build = service.build_app
 
@@ -85,7 +89,16 @@ def build_app(state, registry=None):
         await request.read()
         return web.json_response({})
 
+    async def memory(request):
+        stats = [entry.affinity.index.stats() for entry in list(state._indexes.values())]
+        index = {
+            "index_entries": sum(s.blocks for s in stats),
+            "index_bytes": sum(s.bytes_per_entry * s.blocks for s in stats),
+        }
+        return web.json_response({**memory_snapshot(), **index})
+
     app.router.add_post("/noop", noop)
+    app.router.add_get("/bench-memory", memory)
     return app
 
 service.build_app = build_app
@@ -461,7 +474,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("the adapter did not sync every stream within 120 s")
             time.sleep(0.2)
-        rss_empty = _rss_bytes(adapter.pid)
+        mem_empty = _http(base + "/bench-memory")
         fill_started = time.monotonic()
         # The fill goes through the wire in waves of one request per rank, each applied before
         # the next (the stream counters): a burst would only queue in ZMQ and the adapter's
@@ -473,7 +486,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             _drained(base, filled["batches"], deadline_s=120, idle_s=0.0)
         _drained(base, filled["batches"], deadline_s=120, idle_s=0.5)
         fill_s = time.monotonic() - fill_started
-        rss_full = _rss_bytes(adapter.pid)
+        memory = _memory_figures(_http(base + "/bench-memory"), mem_empty, filled["entries"])
         mine.send(("run",))
         time.sleep(args.warmup)
         guard = _MemoryGuard([adapter.pid, generator.pid or 0], args.max_rss_gb)
@@ -486,26 +499,20 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         finally:
             guard.stop()
         record["peak_rss_gb"] = round(guard.peak / 2**30, 2)
-        if guard.tripped:
+        if guard.tripped:  # the fill's memory figures were taken before: kept
             record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
-            record.update(instances=instances, ranks=instances * RANKS, entries=filled["entries"])
+            record.update(instances=instances, ranks=instances * RANKS, fill_s=round(fill_s, 1), **memory)
             return record
         mine.send(("stats",))
         gen = mine.recv()
         record.update(_stream_faults(base))
-        entries = filled["entries"]
-        index_bytes = rss_full - rss_empty
         record.update(
             {
                 "instances": instances,
                 "ranks": instances * RANKS,
                 "register_all_s": round(registered_s, 2),
                 "fill_s": round(fill_s, 1),
-                "entries": entries,
-                "rss_index_mb": round(index_bytes / 2**20, 1),
-                "rss_estimate_mb": round(entries * ESTIMATE_BYTES / 2**20, 1),
-                "rss_over_estimate": round(index_bytes / (entries * ESTIMATE_BYTES), 3),
-                "rss_bytes_per_entry": round(index_bytes / entries, 1),
+                **memory,
                 "rss_mb": round(_rss_bytes(adapter.pid) / 2**20, 1),
                 "offered_batches_per_s": gen["offered_batches_per_s"],
                 "achieved_batches_per_s": gen["achieved_batches_per_s"],
@@ -528,6 +535,28 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             os.killpg(adapter.pid, signal.SIGKILL)
             adapter.wait()
+
+
+def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -> dict[str, Any]:
+    """The adapter's RSS growth over the fill against the index's own account of its bytes
+    (for this workload) and the issue's budget per entry; the growth split by allocator."""
+    grown = full["rss"] - empty["rss"]
+    estimate = full["index_bytes"]
+    return {
+        "entries": entries,
+        "index_entries": full["index_entries"],
+        "rss_index_mb": round(grown / 2**20, 1),
+        "rss_estimate_mb": round(estimate / 2**20, 1),
+        "estimate_bytes_per_entry": round(estimate / entries, 1),
+        "rss_over_estimate": round(grown / estimate, 3),
+        "rss_bytes_per_entry": round(grown / entries, 1),
+        "budget_bytes_per_entry": BUDGET_BYTES,
+        **{
+            f"{name}_per_entry": round((full[name] - empty[name]) / entries, 1)
+            for name in ("pymalloc_used", "pymalloc_arena_bytes", "malloc_in_use", "malloc_free", "malloc_mmapped")
+            if name in full and name in empty
+        },
+    }
 
 
 def _health(base: str) -> list[dict[str, Any]]:

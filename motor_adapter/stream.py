@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 import zmq
 
 from sglang_kvpub import wire
+from sglang_kvpub.core.hashing import token_ids_from_msgpack
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.transport.curve import CurveClientKeys, apply_client, client_keys
 from sglang_kvpub.transport.replay import ReplayClient
@@ -169,7 +170,7 @@ class StreamSubscriber:
         self._own_context = context is None
         self._ctx: zmq.Context[Any] = context or zmq.Context()
         self._limits = decode_limits or wire.DecodeLimits()
-        self._decoder = wire.BatchDecoder(self._limits)
+        self._decoder = wire.BatchDecoder(self._limits, token_ids=token_ids_from_msgpack)  # no int per id
         self._curve: CurveClientKeys | None = None
         if self.options.curve_server_key:
             self._curve = client_keys(self.options.curve_server_key, self.options.curve_client_secret_key_file)

@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from sglang_kvpub import wire
 from sglang_kvpub.core import hashing
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher
 from sglang_kvpub.core.index import PrefixIndex
@@ -472,3 +473,275 @@ def test_router_queries_answer_the_same_with_and_without_the_helpers(monkeypatch
     assert [[list(ranks) for ranks in answer.values()] for answer in native] == [
         [list(ranks) for ranks in answer.values()] for answer in python
     ]
+
+
+@needs_native
+def test_hash_keys_follows_a_dict_model() -> None:
+    """Insert, replace, lookup, remove (backward shift), growth and clear against a dict,
+    engine hash 0 (the table's empty mark) and the u64 extremes included."""
+    rng = random.Random(41)
+    table = NATIVE.HashKeys()
+    model: dict[int, int] = {}
+    keys = [rng.getrandbits(64) for _ in range(4000)] + list(range(64)) + [(1 << 64) - 1]
+    for step in range(80_000):
+        key = rng.choice(keys)
+        roll = rng.random()
+        if roll < 0.45:
+            value = rng.choice([0, 1, (1 << 64) - 1, rng.getrandbits(64)])
+            table[key] = model[key] = value
+        elif roll < 0.6:
+            if key in model:
+                del table[key]
+                del model[key]
+            else:
+                with pytest.raises(KeyError):
+                    del table[key]
+        elif roll < 0.8:
+            assert table.pop(key, None) == model.pop(key, None)
+        elif roll < 0.99:
+            assert table.get(key) == model.get(key) and (key in table) == (key in model)
+        elif step % 31 == 0:
+            table.clear()
+            model.clear()
+        if step % 1000 == 0:
+            assert len(table) == len(model)
+            assert dict(table.items()) == model and sorted(table) == sorted(model)
+            assert sorted(table.keys()) == sorted(model) and sorted(table.values()) == sorted(model.values())
+            assert all(table.get(k) == model.get(k) for k in keys)
+    assert dict(table.items()) == model
+
+
+@needs_native
+def test_hash_keys_grows_with_entries_not_with_churn() -> None:
+    table = NATIVE.HashKeys()
+    assert table.capacity() == 0 and len(table) == 0
+    for n in range(1, 1001):
+        table[n * 7919] = n
+    grown = table.capacity()
+    assert len(table) <= 0.75 * grown and len(table) > 0.75 * grown / 2  # load <= 0.75, doubling
+    rng = random.Random(3)
+    live = list(range(1, 1001))
+    for n in range(1001, 50_001):  # an LRU's life: one in, one out, 49k times
+        table[n * 7919] = n
+        out = live.pop(rng.randrange(len(live)))
+        assert table.pop(out * 7919) == out
+        live.append(n)
+    assert table.capacity() == grown  # no tombstones: removals make room again
+    assert dict(table.items()) == {n * 7919: n for n in live}
+    assert sys.getsizeof(table) >= grown * 16
+    table.clear()
+    assert table.capacity() == 0 and len(table) == 0 and table.get(7919) is None
+
+
+@needs_native
+def test_hash_keys_add_new_is_all_or_nothing() -> None:
+    table = NATIVE.HashKeys()
+    assert table.add_new([5, 0, 9], [50, 0, 90]) is True
+    assert dict(table.items()) == {5: 50, 0: 0, 9: 90}
+    assert table.add_new([1, 2, 9], [10, 20, 30]) is False  # 9 is present
+    assert table.add_new([1, 2, 1], [10, 20, 30]) is False  # a repeat within the call
+    assert table.add_new([0], [1]) is False  # engine hash 0 too
+    assert dict(table.items()) == {5: 50, 0: 0, 9: 90}
+    big = [n * 104_729 + 1 for n in range(5000)]
+    assert table.add_new(big, big) is True and len(table) == 5003  # grows in one step
+    with pytest.raises(ValueError):
+        table.add_new([1, 2], [1])
+    with pytest.raises(OverflowError):
+        table.add_new([1, -2], [1, 2])
+    assert len(table) == 5003
+
+
+@needs_native
+def test_hash_keys_takes_u64_ints_only() -> None:
+    table = NATIVE.HashKeys()
+    with pytest.raises(OverflowError):
+        table[-1] = 1
+    with pytest.raises(OverflowError):
+        table[1] = 1 << 64
+    with pytest.raises(TypeError):
+        table["a"] = 1
+    with pytest.raises(TypeError):
+        NATIVE.HashKeys({1: 2})
+    table[1] = 2
+    assert table.get(-1) is None and -1 not in table and table.pop(1 << 70, "x") == "x"  # a miss, as a dict's
+    with pytest.raises(KeyError):
+        table[3]
+
+
+def _churned(rng: random.Random, capacity: int | None) -> tuple[PrefixIndex, list[list[int]]]:
+    """An index fed stores, replacements (same engine hash, new content), repeats, removals,
+    rank clears and an instance leaving: every write path of the engine hash -> key maps."""
+    block = 4
+    index = PrefixIndex(block, capacity_blocks=capacity)
+    prompts: list[list[int]] = []
+    held: dict[tuple[str, int], list[int]] = {}
+
+    def engine_hash() -> int:  # u64, i64 or small (0 too)
+        return rng.choice((rng.getrandbits(64), -rng.getrandbits(63), rng.randrange(8)))
+
+    for _ in range(1500):
+        instance, rank = f"i{rng.randrange(3)}", rng.randrange(4)
+        hashes_held = held.setdefault((instance, rank), [])
+        roll = rng.random()
+        if roll < 0.6 or not hashes_held:
+            prompt = _ids(rng, block * rng.randrange(1, 6), 30)
+            blocks = len(prompt) // block
+            if rng.random() < 0.2 and len(hashes_held) >= blocks:
+                hashes = rng.sample(hashes_held, blocks)  # known ids: replaced or repeated
+            else:
+                hashes = [engine_hash() for _ in range(blocks)]
+            medium = rng.choice(["GPU", "GPU", "CPU_PINNED"])
+            event = BlockStored(hashes, None, prompt, block, medium=medium)
+            index.apply_batch(instance, EventBatch(0.0, [event], rank), rank)
+            hashes_held.extend(hashes)
+            prompts.append(prompt)
+        elif roll < 0.95:
+            gone = rng.sample(hashes_held, min(len(hashes_held), rng.randrange(1, 4)))
+            medium = rng.choice(["GPU", "CPU_PINNED"])
+            index.apply_batch(instance, EventBatch(0.0, [BlockRemoved(gone, medium=medium)], rank), rank)
+        elif roll < 0.99:
+            index.clear_rank(instance, rank, rng.choice([None, "GPU"]))
+        else:
+            index.clear_instance(instance)
+            held = {k: v for k, v in held.items() if k[0] != instance}
+    return index, prompts
+
+
+@needs_native
+@pytest.mark.parametrize("capacity", [None, 150], ids=["unbounded", "evicting"])
+def test_index_keeps_the_same_state_with_hash_keys_as_with_dicts(
+    monkeypatch: pytest.MonkeyPatch, capacity: int | None
+) -> None:
+    native_index, prompts = _churned(random.Random(17), capacity)
+    assert type(next(iter(native_index._workers.values())).maps[0]).__name__ == "HashKeys"
+    with monkeypatch.context() as patch:
+        patch.setattr(hashing, "NATIVE", None)
+        python_index, _ = _churned(random.Random(17), capacity)
+    assert type(next(iter(python_index._workers.values())).maps[0]) is dict
+    for index in (native_index, python_index):
+        index._hits.clear()
+    native_stats, python_stats = native_index.stats(), python_index.stats()
+    assert native_stats.blocks > 100 and native_stats.unknown_removals > 0
+    assert (native_stats.evicted > 0) == (capacity is not None)
+    for name in ("blocks", "keys", "workers", "tier_blocks", "orphans", "evicted", "unknown_removals", "stored"):
+        assert getattr(native_stats, name) == getattr(python_stats, name), name
+    for (instance, rank), worker in native_index._workers.items():
+        for medium in ("GPU", "CPU_PINNED"):
+            assert native_index.resident(instance, rank, medium) == python_index.resident(instance, rank, medium)
+        other = python_index._workers[(instance, rank)]
+        assert [dict(m.items()) for m in worker.maps] == [dict(m) for m in other.maps]
+    for prompt in prompts[-200:]:
+        assert native_index.query(prompt) == python_index.query(prompt)
+    assert native_stats.bytes_per_entry < python_stats.bytes_per_entry  # no int object per engine hash
+
+
+# --------------------------------------------------------------------------- compact decoded ids
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "raw",
+    [
+        msgpack.packb([]),
+        msgpack.packb([0, 127, 128, 65_536, 0xFFFFFFFF]),
+        msgpack.packb(list(range(0, 1 << 20, 7))),
+        b"\x93" + b"\xd0\x05" + b"\xd3" + (7).to_bytes(8, "big") + b"\xcf" + (9).to_bytes(8, "big"),
+        msgpack.packb([1, -1]),
+        msgpack.packb([1 << 32]),
+        msgpack.packb([1, "2"]),
+        msgpack.packb([1.5]),
+        b"\x92\x01",
+        b"\x91\x01\x02",
+        b"\xa1x",
+        b"",
+    ],
+)
+def test_u32_count_msgpack_checks_what_u32_from_msgpack_reads(raw: bytes) -> None:
+    try:
+        ids = array("I", NATIVE.u32_from_msgpack(raw))
+    except ValueError:
+        with pytest.raises(ValueError):
+            NATIVE.u32_count_msgpack(raw)
+    else:
+        assert NATIVE.u32_count_msgpack(raw) == len(ids)
+
+
+def _store_batch(rng: random.Random, tokens: list[int]) -> EventBatch:
+    blocks = len(tokens) // 4
+    stored = BlockStored([rng.getrandbits(64) for _ in range(blocks)], rng.getrandbits(63), tokens, 4, medium="GPU")
+    return EventBatch(1.5, [BlockRemoved([rng.getrandbits(64)], medium="GPU"), stored], 3)
+
+
+@needs_native
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_compact_ids_decode_as_the_list_and_encode_to_the_same_bytes(encoding: str) -> None:
+    """The adapter's decoder keeps stored ids as their msgpack bytes (MsgpackIds): equal to
+    the list, the same len/items/slices, hashed to the same keys, re-encoded byte for byte."""
+    rng = random.Random(encoding == "map")
+    tokens = _ids(rng, 40 * 4, rng.choice([1 << 7, 1 << 16, 1 << 32]))
+    batch = _store_batch(rng, tokens)
+    payload = wire.BatchEncoder(encoding).encode(batch)  # type: ignore[arg-type]
+    compact = wire.BatchDecoder(token_ids=hashing.token_ids_from_msgpack).decode(payload)
+    plain = wire.BatchDecoder().decode(payload)
+    ids = compact.events[1].token_ids
+    if encoding == "map":  # the fast path the fan-in's stream takes
+        assert type(ids) is wire.MsgpackIds
+    assert compact == plain == batch  # MsgpackIds equals the list it stands for
+    assert len(ids) == len(tokens) and list(ids) == tokens and ids[5] == tokens[5] and ids[3:9] == tokens[3:9]
+    assert bytes(hashing.tokens_u32(ids)) == bytes(hashing.tokens_u32(tokens))
+    assert bytes(hashing.tokens_u32(ids, 8)) == bytes(hashing.tokens_u32(tokens, 8))
+    for form in ("map", "array"):
+        assert wire.BatchEncoder(form).encode(compact) == wire.BatchEncoder(form).encode(batch)  # type: ignore[arg-type]
+    assert wire.split_stored(compact.events[1]) == wire.split_stored(batch.events[1])
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "tokens",
+    [[-1, 2, 3, 4], [1 << 32, 2, 3, 4], [(1 << 63) - 1, 0, 0, 0]],
+    ids=["negative", "beyond-u32", "i64-max"],
+)
+def test_compact_decoding_keeps_ids_outside_u32_as_a_list(tokens: list[int]) -> None:
+    batch = _store_batch(random.Random(1), tokens)
+    payload = wire.BatchEncoder().encode(batch)
+    decoded = wire.BatchDecoder(token_ids=hashing.token_ids_from_msgpack).decode(payload)
+    assert type(decoded.events[1].token_ids) is list and decoded == batch
+
+
+def test_compact_decoding_refuses_what_the_plain_decoder_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad id (not an int) is the plain decoder's WireError either way; without the C
+    helpers the reader declines and the ids are a list."""
+    stored = {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, "x", 3, 4], "block_size": 4}
+    payload = msgpack.packb([1.0, [stored], 0])
+    for reader in (hashing.token_ids_from_msgpack, None):
+        with pytest.raises(wire.WireError):
+            wire.BatchDecoder(token_ids=reader).decode(payload)
+    monkeypatch.setattr(hashing, "NATIVE", None)
+    batch = _store_batch(random.Random(2), [5, 6, 7, 8])
+    decoded = wire.BatchDecoder(token_ids=hashing.token_ids_from_msgpack).decode(wire.BatchEncoder().encode(batch))
+    assert type(decoded.events[1].token_ids) is list and decoded == batch
+
+
+@needs_native
+def test_index_applies_compact_ids_as_it_applies_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = random.Random(9)
+    batches = [_store_batch(rng, _ids(rng, 4 * rng.randrange(1, 8), 50)) for _ in range(60)]
+    for batch in batches:
+        batch.events[1].parent_block_hash = None
+    payloads = [wire.BatchEncoder().encode(b) for b in batches]
+    compact_decoder = wire.BatchDecoder(token_ids=hashing.token_ids_from_msgpack)
+    from_lists, from_compact = PrefixIndex(4), PrefixIndex(4)
+    for n, payload in enumerate(payloads):
+        from_lists.apply_batch("i", wire.BatchDecoder().decode(payload), n % 4)
+        decoded = compact_decoder.decode(payload)
+        assert type(decoded.events[1].token_ids) is wire.MsgpackIds
+        from_compact.apply_batch("i", decoded, n % 4)
+    queries = [list(b.events[1].token_ids) for b in batches]
+    assert [from_compact.query(q) for q in queries] == [from_lists.query(q) for q in queries]
+    assert from_compact.stats().blocks == from_lists.stats().blocks > 0
+    decoded_all = [compact_decoder.decode(payload) for payload in payloads]
+    monkeypatch.setattr(hashing, "NATIVE", None)  # ids decoded with the helpers, hashed without them
+    python_index = PrefixIndex(4)
+    for n, decoded in enumerate(decoded_all):
+        python_index.apply_batch("i", decoded, n % 4)
+    assert [python_index.query(q) for q in queries] == [from_lists.query(q) for q in queries]

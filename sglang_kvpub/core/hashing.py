@@ -29,6 +29,8 @@ from typing import Any
 
 import xxhash
 
+from sglang_kvpub.wire import MsgpackIds
+
 __all__ = [
     "BASE_SEED",
     "NATIVE",
@@ -39,6 +41,7 @@ __all__ = [
     "local_block_hashes",
     "lora_seed",
     "sequence_keys",
+    "token_ids_from_msgpack",
     "tokens_u32",
 ]
 
@@ -63,6 +66,7 @@ _NATIVE_NAMES = (
     "emit_ranks",
     "u32_from_ints",
     "u32_from_msgpack",
+    "u32_count_msgpack",
     "take_token_ids",
 )
 log = logging.getLogger(__name__)
@@ -185,6 +189,9 @@ def tokens_u32(tokens: Sequence[int], limit: int | None = None) -> bytes | memor
     4-byte buffers come back as a view of the caller's buffer (no copy; an ``array`` cannot
     be resized while the view lives): ``bytes()`` it to keep it.
     """
+    if type(tokens) is MsgpackIds and NATIVE is not None:  # the adapter's decoded ids: read in C
+        packed = NATIVE.u32_from_msgpack(tokens.raw)
+        return packed if limit is None or limit >= len(tokens) else memoryview(packed)[: max(limit, 0) * 4]
     if limit is not None and limit < len(tokens):
         tokens = tokens[:limit]
     if type(tokens) is not list:
@@ -192,6 +199,22 @@ def tokens_u32(tokens: Sequence[int], limit: int | None = None) -> bytes | memor
         if packed is not None:
             return packed
     return _pack(tokens)
+
+
+def token_ids_from_msgpack(raw: Any) -> MsgpackIds | None:
+    """A stored event's msgpack ``token_ids`` array (a ``msgspec.Raw`` view of the payload)
+    as a :class:`~sglang_kvpub.wire.MsgpackIds`: every id checked in one C pass
+    (``u32_count_msgpack``), none made into an int object.  The adapter's stream decoder
+    keeps stored events' ids so (``wire.BatchDecoder(token_ids=...)``): ~5k ids a batch
+    would otherwise be short-lived ints that pymalloc places among the index's long-lived
+    ones (bench/memory.py).  None without the C helpers or when an id is not in [0, 2^32)
+    (the decoder then makes a list)."""
+    if NATIVE is None:
+        return None
+    try:
+        return MsgpackIds(raw, NATIVE.u32_count_msgpack(raw))
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------- hashes

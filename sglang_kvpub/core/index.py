@@ -16,9 +16,18 @@ belongs to one instance, so a query's hits are emitted a byte at a time), recycl
 :meth:`PrefixIndex.clear_instance`, lowest page first, to keep masks short.  Per tier,
 one dict maps a key to the workers holding it: ``~wid`` (a negative int) for a single
 holder - most blocks have one, and a small int costs far less than a wide bitmask - else
-an int bitmask of two or more.  Per worker and tier, one dict maps engine hash -> key.
-A query walks the prompt's keys once, ANDing masks, and only touches individual workers
-when they leave a tier phase.
+an int bitmask of two or more.  Per worker and tier, one map engine hash -> key: with the
+C helpers a ``_native.HashKeys`` (both u64 in one 16-byte slot of an open-addressing table,
+load <= 0.75, no int object per engine hash), else a dict.  A query walks the prompt's keys
+once, ANDing masks, and only touches individual workers when they leave a tier phase.
+
+Memory (bench/memory.py on bench/scale.py's workload, every user block held by one rank):
+~133 bytes per (worker, block) entry - the key's int object (48, pymalloc), its slot in the
+tier dict (~52), the engine-hash slot (~33) - which ``stats().bytes_per_entry`` counts.
+Removals grow the tier dict: CPython resizes a dict whose entry array filled up to 3x its
+live keys, so under an LRU's churn its table doubles once (~104 per entry, ~185 in all).
+With dict maps (the Python fallback) add an int and a dict slot per engine hash (~187
+after a fill).
 
 Tier walk.  Per worker: the longest prefix from block 0 on NPU, then its continuation on
 CPU, then on disk (exclusive split); a block that is not in the current phase's tier ends
@@ -53,7 +62,7 @@ import logging
 import sys
 import threading
 from array import array
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from types import MappingProxyType
@@ -98,6 +107,11 @@ _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a
 _PAGE = 8  # worker ids per page: one byte of a mask, all of one instance
 
 _TIER_INDEX = {TIER_NPU: 0, TIER_CPU: 1, TIER_DISK: 2}
+
+# A worker's engine hash -> key map per tier: a dict, or the C helpers' HashKeys (the same
+# calls: [] get pop in len iteration values items clear, plus add_new), which keeps both
+# u64 in one 16-byte slot and makes no int object per engine hash.
+_EngineMap = MutableMapping[int, int]
 
 
 @dataclass
@@ -145,17 +159,18 @@ class IndexStats:
 
 
 class _Worker:
-    """One (instance, dp_rank): its bit and, per tier, engine hash -> key."""
+    """One (instance, dp_rank): its bit and, per tier, engine hash -> key (``new_map()``: a
+    ``_native.HashKeys`` with the C helpers, else a dict)."""
 
     __slots__ = ("bit", "dp_rank", "dups", "instance", "maps", "orphan_logged", "single", "wid")
 
-    def __init__(self, wid: int, instance: str, dp_rank: int) -> None:
+    def __init__(self, wid: int, instance: str, dp_rank: int, new_map: Callable[[], _EngineMap]) -> None:
         self.wid = wid
         self.bit = 1 << wid
         self.single = ~wid  # one shared int object: single-holder keys cost no int of their own
         self.instance = instance
         self.dp_rank = dp_rank
-        self.maps: list[dict[int, int]] = [{}, {}, {}]
+        self.maps: list[_EngineMap] = [new_map(), new_map(), new_map()]
         # key -> number of EXTRA engine hashes of this worker/tier with that key (the bit is
         # set once; it is cleared only when the last one goes)
         self.dups: list[dict[int, int]] = [{}, {}, {}]
@@ -251,6 +266,7 @@ class PrefixIndex:
         if self.npu_walk_table:
             self._masks[0] = hashing.NATIVE.KeyMasks()  # a dict, mirrored for npu_walk
         self._workers: dict[tuple[str, int], _Worker] = {}
+        self._new_map: Callable[[], _EngineMap] = hashing.NATIVE.HashKeys if hashing.NATIVE is not None else dict
         self._by_wid: list[_Worker | None] = []
         self._rank_of: list[int] = []  # wid -> dp_rank (hot emission path)
         self._pages: list[str] = []  # wid // 8 -> the instance owning those 8 worker ids ("": free)
@@ -642,7 +658,7 @@ class PrefixIndex:
         worker = self._workers.get((instance, dp_rank))
         if worker is None:
             wid = self._free_wid(instance)
-            worker = _Worker(wid, instance, dp_rank)
+            worker = _Worker(wid, instance, dp_rank, self._new_map)
             self._inst_masks[instance] = self._inst_masks.get(instance, 0) | worker.bit
             self._allowed = ((), 0)
             self._deepest_seen.clear()  # ends name other workers now
@@ -766,9 +782,12 @@ class PrefixIndex:
         some hash is already known (the general loop then replaces or skips it)."""
         hashes = block_hashes if min(block_hashes, default=0) >= 0 else [h & _U64 for h in block_hashes]
         mapping = worker.maps[tier]
-        if not mapping.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
+        if type(mapping) is dict:
+            if not mapping.keys().isdisjoint(hashes) or len(set(hashes)) != len(hashes):
+                return False
+            mapping.update(zip(hashes, keys, strict=True))
+        elif not mapping.add_new(hashes, keys):  # type: ignore[attr-defined]  # HashKeys: the same, in C
             return False
-        mapping.update(zip(hashes, keys, strict=True))
         masks = self._masks[tier]
         get = masks.get
         bit = worker.bit
@@ -840,7 +859,7 @@ class PrefixIndex:
         for key in mapping.values():
             self._unset(masks, key, bit)  # a duplicate key is already unset: no-op
         self._entries[tier] -= len(mapping)
-        worker.maps[tier] = {}
+        worker.maps[tier] = self._new_map()
         worker.dups[tier] = {}
 
     def _finish(self, result: ApplyResult) -> None:
@@ -874,7 +893,10 @@ class PrefixIndex:
 
     def _forget_keys(self, worker: _Worker, tier: int, keys: set[int]) -> None:
         mapping = worker.maps[tier]
-        kept = {h: k for h, k in mapping.items() if k not in keys}
+        kept = self._new_map()
+        for engine_hash, key in mapping.items():
+            if key not in keys:
+                kept[engine_hash] = key
         dropped = len(mapping) - len(kept)
         worker.maps[tier] = kept
         dups = worker.dups[tier]
@@ -1040,9 +1062,11 @@ class PrefixIndex:
     # ------------------------------------------------------------------ size
 
     def _estimate_bytes(self) -> int:
-        # tables exactly; then one engine id and one key int per entry (a key int is shared
-        # by the global dict and its first holder); single holders share one small int per
-        # worker, multi-holder bitmasks are sampled
+        # tables exactly (a HashKeys counts its slots); then the int objects: with dict maps
+        # one engine id and one key int per entry (a key int is shared by the global dict and
+        # its first holder), with HashKeys maps only each distinct key's int in the global
+        # dict; single holders share one small int per worker, multi-holder bitmasks are
+        # sampled
         size = 0
         for masks in self._masks:
             size += sys.getsizeof(masks)
@@ -1053,7 +1077,9 @@ class PrefixIndex:
                 size += int(len(masks) * share * mean)
         for worker in self._workers.values():
             size += sum(sys.getsizeof(mapping) for mapping in worker.maps)
-        return size + sum(self._entries) * 2 * _INT_BYTES
+        if self._new_map is dict:
+            return size + sum(self._entries) * 2 * _INT_BYTES
+        return size + sum(len(masks) for masks in self._masks) * _INT_BYTES
 
 
 _INT_BYTES = 48  # a 64-bit int: 36 bytes requested, 48 allocated (pymalloc rounds to 16)

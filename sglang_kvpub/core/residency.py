@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Iterable, Iterator
-from typing import Any, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Union, cast
 
 import msgspec
 
@@ -71,7 +71,7 @@ _TOKENS = msgspec.msgpack.Decoder(list[int])
 _Extras = tuple[Union[int, None], Union[str, None], Union[str, None], Union[str, None]]
 
 
-def _token_bytes(tokens: list[int]) -> tuple[bytes, bool]:
+def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, bool]:
     try:
         return array("I", tokens).tobytes(), False
     except (OverflowError, TypeError):
@@ -224,7 +224,7 @@ class RankResidency:
         else:
             self._extras[(medium, block_hash)] = (event.lora_id, event.lora_name, event.cache_salt, event.session_id)
 
-    def _store_tokens(self, event: Any, token_ids: list[int]) -> None:
+    def _store_tokens(self, event: Any, token_ids: Sequence[int]) -> None:
         medium = event.medium or self.default_medium
         blocks = self._media.setdefault(medium, {})
         hashes = event.block_hashes
@@ -330,7 +330,7 @@ class RankResidency:
                         continue
                     if pending is not None and _extends(pending, block, limit):
                         pending.block_hashes.append(node)
-                        pending.token_ids.extend(block.token_ids)
+                        cast(list[int], pending.token_ids).extend(block.token_ids)  # a list: _snapshot_block
                         continue
                     if pending is not None:
                         yield pending

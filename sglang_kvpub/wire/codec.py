@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Union, overload
 
 import msgspec
 
@@ -36,6 +37,7 @@ from sglang_kvpub.wire.contract import (
 __all__ = [
     "DecodeLimits",
     "DecodeStats",
+    "MsgpackIds",
     "BatchDecoder",
     "BatchEncoder",
     "to_u64",
@@ -74,6 +76,97 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Union[_ArrayStored, _ArrayRemoved, _ArrayCleared]]
     dp_rank: Union[int, None] = None
+
+
+# The tagged-map shape with each store's ``token_ids`` left as msgpack bytes, for decoders
+# given a ``token_ids`` reader (see BatchDecoder): mirrors contract.BlockStored field for field.
+class _RawTokensStored(msgspec.Struct, tag="BlockStored", gc=False):
+    block_hashes: list[int]
+    parent_block_hash: Union[int, None] = None
+    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")
+    block_size: int = 0
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
+    cache_salt: Union[str, None] = None
+    session_id: Union[str, None] = None
+
+
+class _RawTokensBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Union[_RawTokensStored, BlockRemoved, AllBlocksCleared]]
+    dp_rank: Union[int, None] = None
+
+
+TokenReader = Callable[[msgspec.Raw], Union[Sequence[int], None]]
+_IDS = msgspec.msgpack.Decoder(list[int])
+
+
+class MsgpackIds(Sequence[int]):
+    """A stored event's ``token_ids`` kept as the msgpack array they arrived as (``raw``),
+    ``length`` ids long: no Python int per id, no copy of the ids (the bytes are a view of the
+    payload).  A ``Sequence[int]`` like the list it stands for (items and slices decode the
+    array on each call: for tools and tests); the index reads ``raw`` in C
+    (``hashing.tokens_u32``), and :class:`BatchEncoder` writes ``raw`` as it is, so a
+    re-encoded batch has the bytes it came with.  Built by a decoder's ``token_ids`` reader
+    that checked every id (``hashing.token_ids_from_msgpack``)."""
+
+    __slots__ = ("length", "raw")
+
+    def __init__(self, raw: msgspec.Raw, length: int) -> None:
+        self.raw = raw
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        return _IDS.decode(self.raw)[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(_IDS.decode(self.raw))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MsgpackIds):
+            return bytes(self.raw) == bytes(other.raw)
+        return isinstance(other, list) and list(self) == other
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list: unhashable like one
+
+    def __repr__(self) -> str:
+        return f"MsgpackIds({list(self)!r})"
+
+
+def _from_raw_tokens(raw: _RawTokensBatch, read: TokenReader) -> Union[EventBatch, None]:
+    """The batch with each store's ids read by ``read``; None when it declines one."""
+    events: list[Event] = []
+    for item in raw.events:
+        if type(item) is _RawTokensStored:
+            tokens = read(item.token_ids)
+            if tokens is None:
+                return None
+            events.append(
+                BlockStored(
+                    item.block_hashes,
+                    item.parent_block_hash,
+                    tokens,
+                    item.block_size,
+                    item.lora_id,
+                    item.medium,
+                    item.lora_name,
+                    item.cache_salt,
+                    item.session_id,
+                )
+            )
+        else:
+            events.append(item)  # type: ignore[arg-type]  # BlockRemoved / AllBlocksCleared as they are
+    return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
 
 
 def _from_array_batch(raw: _ArrayBatch) -> EventBatch:
@@ -180,11 +273,19 @@ class BatchDecoder:
     0.5.18's metadata maps, rank-before-events batches) goes through a generic walk.
     Unknown fields are ignored, unknown event types are counted in
     ``stats.unknown_events`` and skipped.
+
+    ``token_ids``: a reader of a store's msgpack ``token_ids`` array (``msgspec.Raw``) into
+    a compact ``Sequence[int]`` (``hashing.token_ids_from_msgpack``: a :class:`MsgpackIds`,
+    no Python int per id), or None to decline (ids outside u32, no C helpers).  With one,
+    the tagged-map fast path reads every store's ids through it; a declined batch is
+    decoded as without.  :class:`BatchEncoder` writes either form as the same bytes.
     """
 
-    def __init__(self, limits: DecodeLimits | None = None) -> None:
+    def __init__(self, limits: DecodeLimits | None = None, token_ids: TokenReader | None = None) -> None:
         self.limits = limits or DecodeLimits()
         self.stats = DecodeStats()
+        self._token_ids = token_ids
+        self._raw_tokens = msgspec.msgpack.Decoder(_RawTokensBatch)
         self._typed = msgspec.msgpack.Decoder(EventBatch)
         self._typed_arrays = msgspec.msgpack.Decoder(_ArrayBatch)
         self._generic = msgspec.msgpack.Decoder()
@@ -202,6 +303,11 @@ class BatchDecoder:
     def _decode(self, payload: bytes | memoryview) -> EventBatch:
         if len(payload) > self.limits.max_payload_bytes:
             raise WireError("payload too large", f"{len(payload)} > {self.limits.max_payload_bytes}")
+        if self._token_ids is not None:
+            compact = self._decode_compact(payload, self._token_ids)
+            if compact is not None:
+                self._check_typed(compact)
+                return compact
         try:
             batch = self._typed.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -211,6 +317,13 @@ class BatchDecoder:
                 return self._decode_generic(payload)
         self._check_typed(batch)
         return batch
+
+    def _decode_compact(self, payload: bytes | memoryview, read: TokenReader) -> EventBatch | None:
+        try:
+            raw = self._raw_tokens.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return _from_raw_tokens(raw, read)
 
     def _check_typed(self, batch: EventBatch) -> None:
         limits = self.limits
@@ -382,13 +495,20 @@ class BatchEncoder:
         if encoding not in ("map", "array"):
             raise ValueError(f"unknown event encoding {encoding!r}: use 'map' or 'array'")
         self.encoding = encoding
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_encode_extra)
 
     def encode(self, batch: EventBatch) -> bytes:
         if self.encoding == "map":
             return self._encoder.encode(batch)
         events = [_event_as_array(event) for event in batch.events]
         return self._encoder.encode([batch.ts, events, batch.dp_rank])
+
+
+def _encode_extra(value: Any) -> Any:
+    """What msgspec does not encode itself: :class:`MsgpackIds` as the array it holds."""
+    if type(value) is MsgpackIds:
+        return value.raw
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
 def _event_as_array(event: Event) -> list[Any]:
@@ -434,7 +554,7 @@ def enrich_batch(
     return batch
 
 
-def split_stored(event: BlockStored) -> list[tuple[int, list[int]]]:
+def split_stored(event: BlockStored) -> list[tuple[int, Sequence[int]]]:
     """``[(block_hash, that block's token ids), ...]`` for a possibly merged store."""
     size = event.block_size
     tokens = event.token_ids

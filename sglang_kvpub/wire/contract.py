@@ -19,6 +19,7 @@ its epoch differs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal, Union
 
 import msgspec
@@ -96,7 +97,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
 
     block_hashes: list[int]
     parent_block_hash: Union[int, None] = None
-    token_ids: list[int] = []
+    token_ids: Sequence[int] = []
     block_size: int = 0
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
