@@ -316,17 +316,19 @@ class StreamSubscriber:
             self._hand_off(initial=True)
         self._notify()
 
-    def _reader_readable(self) -> None:
-        """Reads a bounded number of batches, then applies what simply follows the last one."""
+    def _reader_readable(self) -> bool:
+        """Reads a bounded number of batches, then applies what simply follows the last one;
+        True when the budget ran out (more may be queued)."""
         if self._sub is None:
-            return
-        self._read_live(self.options.read_budget)
+            return False
+        more = self._read_live(self.options.read_budget) >= self.options.read_budget
         try:
             self._drain_in_order()
         except Exception:  # never let one bad batch stop the stream
             self._rlog.warning("step", "stream %s: unexpected error", self.endpoint)
             log.debug("stream step failed", exc_info=True)
         self._notify()
+        return more
 
     def _reader_tick(self, now: float) -> None:
         with self._qlock:
@@ -455,14 +457,17 @@ class StreamSubscriber:
 
     # ------------------------------------------------------------------ live input
 
-    def _read_live(self, budget: int = 1024) -> None:
+    def _read_live(self, budget: int) -> int:
+        """Reads up to ``budget`` messages; how many were read."""
         assert self._sub is not None
-        for _ in range(budget):
+        recv = self._sub.recv_multipart
+        for count in range(budget):
             try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                return
+                return count
             self._receive(frames)
+        return budget
 
     def _receive(self, frames: list[bytes]) -> None:
         self._last_msg = time.monotonic()
