@@ -118,10 +118,13 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
     from sglang_kvpub.wire import BlockRemoved, BlockStored, EventBatch
 
     rng = random.Random(args["seed"])
-    pool = [_page(rng) for _ in range(1024)]
+    # Prompts are two random runs of pages of one long token list: two C-speed slices, not a
+    # 5k-token Python loop per request (the generator shares the box's cores with the adapter);
+    # 4,096 pages give ~16M distinct prompts, so ranks rarely share one.
+    pool = [t for _ in range(4096) for t in _page(rng)]
+    halves = (args["new_pages"] // 2, args["new_pages"] - args["new_pages"] // 2)
     system_tokens = [t for _ in range(SYSTEM_PAGES) for t in _page(random.Random(99))]
     system_hashes = [rng.getrandbits(63) for _ in range(SYSTEM_PAGES)]
-    new_pages = args["new_pages"]
     fanins: list[FanIn] = []
     endpoints = []
     for _ in range(args["instances"]):
@@ -148,7 +151,10 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
     def request(i: int, r: int, tokens: list[int] | None = None) -> None:
         rank = ranks[i][r]
         if tokens is None:
-            tokens = [t for _ in range(new_pages) for t in pool[rng.randrange(len(pool))]]
+            tokens = []
+            for pages in halves:
+                start = rng.randrange(4096 - pages) * BS
+                tokens += pool[start : start + pages * BS]
         hashes = [rng.getrandbits(63) for _ in range(len(tokens) // BS)]
         events: list[Any] = []
         evicted: list[int] = []
