@@ -502,7 +502,8 @@ class StreamSubscriber:
             return None
 
     def _bad_input(self, what: str, exc: wire.WireError) -> None:
-        self._c.decode_errors += 1
+        with self._cond:  # counted by the reader (live) and by a sync thread (replies)
+            self._c.decode_errors += 1
         self._rlog.warning(f"bad:{exc.reason}", "stream %s: skipped a malformed %s: %s", self.endpoint, what, exc)
 
     def _enqueue(self, item: _Item) -> None:
