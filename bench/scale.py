@@ -131,10 +131,13 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
     from sglang_kvpub.wire import BlockRemoved, BlockStored, EventBatch
 
     rng = random.Random(args["seed"])
-    pool = [_page(rng) for _ in range(1024)]
+    # Prompts are two random runs of pages of one long token list: two C-speed slices, not a
+    # 5k-token Python loop per request (the generator shares the box's cores with the adapter);
+    # 4,096 pages give ~16M distinct prompts, so ranks rarely share one.
+    pool = [t for _ in range(4096) for t in _page(rng)]
+    halves = (args["new_pages"] // 2, args["new_pages"] - args["new_pages"] // 2)
     system_tokens = [t for _ in range(SYSTEM_PAGES) for t in _page(random.Random(99))]
     system_hashes = [rng.getrandbits(63) for _ in range(SYSTEM_PAGES)]
-    new_pages = args["new_pages"]
     fanins: list[FanIn] = []
     endpoints = []
     for _ in range(args["instances"]):
@@ -161,7 +164,10 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
     def request(i: int, r: int, tokens: list[int] | None = None) -> None:
         rank = ranks[i][r]
         if tokens is None:
-            tokens = [t for _ in range(new_pages) for t in pool[rng.randrange(len(pool))]]
+            tokens = []
+            for pages in halves:
+                start = rng.randrange(4096 - pages) * BS
+                tokens += pool[start : start + pages * BS]
         hashes = [rng.getrandbits(63) for _ in range(len(tokens) // BS)]
         events: list[Any] = []
         evicted: list[int] = []
@@ -417,13 +423,15 @@ async def _measure(base: str, pid: int, args: argparse.Namespace, gen: Any, inst
         lat = {"noop": [], "query": []}
         cpu = {"noop": 0.0, "query": 0.0}
         count = {"noop": 0, "query": 0}
-        whole_before = _cpu_s(pid)
+        applied_before = await loop.run_in_executor(None, _applied_batches, base)
+        whole_before, loop_before = _cpu_s(pid), _cpu_s(pid, pid)
         began = time.monotonic()
         for n in range(args.rounds):
             for name in ("noop", "query") if n % 2 else ("query", "noop"):
                 await phase(session, name, args.seconds)
         elapsed = time.monotonic() - began
-        whole = _cpu_s(pid) - whole_before
+        whole, on_loop = _cpu_s(pid) - whole_before, _cpu_s(pid, pid) - loop_before
+        applied = await loop.run_in_executor(None, _applied_batches, base) - applied_before
         # The lag probes after the phases (still ingesting): their polls must not count as load
         # of either phase.
         prober = asyncio.create_task(probe(session))
@@ -443,6 +451,10 @@ async def _measure(base: str, pid: int, args: argparse.Namespace, gen: Any, inst
     out["lag_probes"] = len(lags)
     out["lag_probes_missed"] = missed
     out["adapter_cpu_pct"] = round(whole / elapsed * 100, 1)
+    # Ingest's own cost: every thread but the HTTP loop's, per batch applied meanwhile.
+    out["ingest_cpu_pct"] = round((whole - on_loop) / elapsed * 100, 1)
+    out["ingest_cpu_us_per_batch"] = round((whole - on_loop) / applied * 1e6, 1) if applied else None
+    out["applied_batches_per_s"] = round(applied / elapsed, 1)
     out["client_errors"] = errors
     return out
 
@@ -460,11 +472,11 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
     }
     generator = ctx.Process(target=_generator_main, args=(gen_args, theirs), daemon=True)
     generator.start()
+    endpoints = mine.recv()["endpoints"]  # the fan-ins bound theirs first: no port picked twice
     port = free_port()
     adapter = _start_adapter(port)
     base = f"http://127.0.0.1:{port}"
     try:
-        endpoints = mine.recv()["endpoints"]
         started = time.monotonic()
         for n, (endpoint, replay) in enumerate(endpoints):
             _http(base + "/register", _registration(n, endpoint, replay))
@@ -487,9 +499,13 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         _drained(base, filled["batches"], deadline_s=120, idle_s=0.5)
         fill_s = time.monotonic() - fill_started
         memory = _memory_figures(_http(base + "/bench-memory"), mem_empty, filled["entries"])
+        mine.send(("stats",))
+        gen_cpu_before = mine.recv()["cpu_s"]
         mine.send(("run",))
+        run_started = time.monotonic()
         time.sleep(args.warmup)
         guard = _MemoryGuard([adapter.pid, generator.pid or 0], args.max_rss_gb)
+        profiler = _start_profile(adapter.pid, instances, args)
         try:
             record = asyncio.run(_measure(base, adapter.pid, args, mine, instances))
         except Exception:
@@ -498,6 +514,8 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             record = {"instances": instances, "ranks": instances * RANKS}
         finally:
             guard.stop()
+        if profiler is not None:
+            record["profile"] = _finish_profile(profiler)
         record["peak_rss_gb"] = round(guard.peak / 2**30, 2)
         if guard.tripped:  # the fill's memory figures were taken before: kept
             record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
@@ -505,6 +523,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             return record
         mine.send(("stats",))
         gen = mine.recv()
+        generator_cpu_pct = round((gen["cpu_s"] - gen_cpu_before) / (time.monotonic() - run_started) * 100, 1)
         record.update(_stream_faults(base))
         record.update(
             {
@@ -518,6 +537,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
                 "achieved_batches_per_s": gen["achieved_batches_per_s"],
                 "block_events_per_s": gen["block_events_per_s"],
                 "generator_keeps_up": gen["achieved_batches_per_s"] >= 0.95 * gen["offered_batches_per_s"],
+                "generator_cpu_pct": generator_cpu_pct,
             }
         )
         return record
@@ -556,6 +576,49 @@ def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -
             for name in ("pymalloc_used", "pymalloc_arena_bytes", "malloc_in_use", "malloc_free", "malloc_mmapped")
             if name in full and name in empty
         },
+    }
+
+
+def _start_profile(pid: int, instances: int, args: argparse.Namespace) -> tuple[Any, Path] | None:
+    """py-spy (not a dependency: ``pip install py-spy``) on the adapter over the measurement."""
+    if not args.profile:
+        return None
+    out = Path(f"{args.profile}-{instances}.txt")
+    seconds = args.rounds * 2 * args.seconds + args.probe_seconds + 1
+    cmd = [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--format", "raw"]
+    cmd += ["--threads", "--nonblocking", "--rate", "200", "--duration", str(int(seconds)), "--output", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), out
+
+
+def _finish_profile(profiler: tuple[Any, Path]) -> dict[str, Any]:
+    """Where the samples went: per thread kind, and the leaf functions most often on top."""
+    proc, out = profiler
+    proc.wait(120)
+    threads: dict[str, int] = {}
+    leaves: dict[str, int] = {}
+    total = 0
+    for line in out.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        frames = stack.split(";")
+        count = int(count_text)
+        total += count
+        names = " ".join(frames[1:3])
+        kind = (
+            "ingest-reader" if "_run (motor_adapter/ingest.py" in stack
+            else "stream-sync" if "_work (motor_adapter/stream.py" in stack
+            else "stream-thread" if "_run (motor_adapter/stream.py" in stack
+            else "event-loop" if "run_forever" in stack or "asyncio" in names
+            else "other"
+        )  # fmt: skip
+        threads[kind] = threads.get(kind, 0) + count
+        leaf = frames[-1].split(" (")[0] if frames else "?"
+        leaves[leaf] = leaves.get(leaf, 0) + count
+    top = sorted(leaves.items(), key=lambda kv: -kv[1])[:8]
+    return {
+        "file": str(out),
+        "samples": total,
+        "threads_pct": {k: round(v * 100 / total, 1) for k, v in sorted(threads.items(), key=lambda kv: -kv[1])},
+        "top_leaves_pct": {k: round(v * 100 / total, 1) for k, v in top},
     }
 
 
@@ -609,8 +672,9 @@ def main() -> int:
         type=float,
         default=6.0,
         help="the level is stopped when the adapter and the generator hold more (an adapter that falls behind "
-        "queues up to 100,000 batches per stream; the machine is shared)",
+        "queues up to its SUB sockets' rcvhwm, 1,000 batches per stream; the machine is shared)",
     )
+    parser.add_argument("--profile", help="py-spy the adapter during the measurement: raw stacks to PREFIX-N.txt")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup: no orphan adapter
     for instances in (int(n) for n in args.instances.split(",")):

@@ -38,7 +38,7 @@ MEDIUM_ALIASES: dict[str, str] = {
 }
 DEFAULT_TENANT = "default"
 _MAX_DP = 4096
-MAX_COMPAT_DP = 256  # compat mode starts one subscriber thread per rank: keep one registration bounded
+MAX_COMPAT_DP = 256  # compat mode opens one subscriber (a SUB socket) per rank: keep one registration bounded
 
 StreamMode = Literal["engine", "compat", "pool", "http_only"]
 

@@ -16,8 +16,15 @@ Two kinds of source:
   gave with other content; one whose first heard seq is beyond everything seen before
   is indistinguishable from a gap (replayed from its buffer, then continued).
 
-One background thread per subscriber owns every socket and every index write for its
-scope (the whole instance, or one rank in compatibility mode).  Its state machine:
+Threads: ONE reader thread serves every subscriber of the process
+(:mod:`motor_adapter.ingest`): it owns the SUB sockets, reads each readable stream a bounded
+number of messages per wake, and applies the batches that simply follow the last one.  Any
+other transition (a gap, a restart, the sync at start or after a reconnect) runs the state
+machine below on a thread of that stream's own, for as long as it has batches queued, while
+the reader keeps reading the stream's live batches into its bounded buffer: a replay endpoint
+that stalls delays its own stream only.  Exactly one thread at a time writes a scope (the
+whole instance, or one rank in compatibility mode), so its writes stay in seq order.  The
+state machine:
 
 * ``seq == last + 1``: apply.  ``seq <= last`` (already applied through a replay): skip.
 * ``seq > last + 1``: a gap.  Replay from ``last + 1`` over a DEALER (SGLang 0.5.23
@@ -32,9 +39,15 @@ scope (the whole instance, or one rank in compatibility mode).  Its state machin
 Without a replay endpoint a gap or a restart clears the scope and the next batch becomes
 the new baseline; this is logged loudly once.
 
-Why one module over 450 lines: :class:`StreamSubscriber` is the state machine above on one
-thread (live, gap replay, snapshot, reconnect); every transition reads and writes the same
-seq, buffer and index state, and the per-message path is the router's hot path.
+Bounds: the SUB socket queues at most ``rcvhwm`` batches (ZMQ counts messages; the default
+1,000 is ~25 MB at the report's ~25 KB batches, ~30 s of a dp-16 instance's traffic) - past
+it the fan-in's PUB drops and the stream sees a gap, which its replay fills.  The live buffer
+held while a replay runs is bounded by count (``live_buffer``) and bytes
+(``live_buffer_bytes``); its drops are counted (``dropped_live``) and are gaps too.
+
+Why one module over 450 lines: :class:`StreamSubscriber` is the state machine above (live,
+gap replay, snapshot, reconnect); every transition reads and writes the same seq, buffer and
+index state, and the per-message path is the router's hot path.
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Union
 
 import zmq
 
+from motor_adapter.ingest import IngestReader, shared_reader
 from sglang_kvpub import wire
 from sglang_kvpub.core.hashing import token_ids_from_msgpack
 from sglang_kvpub.core.ratelimit import RateLimitedLog
@@ -71,6 +85,7 @@ class _Item(NamedTuple):
     seq: int
     batch: Union[wire.EventBatch, None]
     digest: int
+    size: int = 0  # payload bytes, for the live buffer's byte bound
 
 
 @dataclasses.dataclass
@@ -123,11 +138,14 @@ class StreamOptions:
     expect_heartbeats: bool | None = None
     replay_timeout_s: float = 2.0  # silence allowed between two replay replies
     live_buffer: int = 10_000  # live batches kept while a replay runs
+    live_buffer_bytes: int = 64 << 20  # ... and their payload bytes at most
     max_replay_batches: int = 1_000_000
     backoff_min_s: float = 0.1
     backoff_max_s: float = 30.0
-    poll_s: float = 0.05  # bounds how long stop() waits
-    rcvhwm: int = 100_000
+    poll_s: float = 0.05  # bounds how long a replay wait takes to see stop()
+    # Batches the SUB socket queues (ZMQ counts messages, not bytes): ~25 MB at ~25 KB a batch.
+    rcvhwm: int = 1_000
+    read_budget: int = 64  # batches read per stream per wake of the reader, so none starves the rest
     # CURVE (docs/security.md): the fan-in's public key (Z85 text or a .key file) turns it on;
     # the client's own pair comes from this NAME.key_secret file, else an ephemeral one.
     curve_server_key: Union[str, None] = None
@@ -179,10 +197,17 @@ class StreamSubscriber:
         self._rlog = RateLimitedLog(log)
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._sub: zmq.Socket[bytes] | None = None
-        self._poller = zmq.Poller()
+        self._reader: IngestReader | None = None
+        self._attached = False  # on the reader (from start() until the reader closed the socket)
+        self._closed = threading.Event()
+        self._sub: zmq.Socket[bytes] | None = None  # reader thread only
+        # The live buffer: the reader appends; whoever runs the state machine pops.
         self._pending: collections.deque[_Item] = collections.deque()
+        self._pending_bytes = 0
+        self._qlock = threading.Lock()  # guards _pending, _pending_bytes and _worker
+        # The thread running the state machine while a transition may block; None: the reader
+        # applies in-order batches itself.
+        self._worker: threading.Thread | None = None
         # sequence state (thread-owned)
         self._last: int | None = None  # last seq applied
         self._live_high: int | None = None  # highest live seq accepted on this connection
@@ -210,29 +235,40 @@ class StreamSubscriber:
     # ------------------------------------------------------------------ public API
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._reader is not None:
             raise RuntimeError("StreamSubscriber already started")
-        name = f"kv-stream-{self.instance_id}" + ("" if self.dp_rank_override is None else f"-r{self.dp_rank_override}")
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._started_at = time.monotonic()
+        self._reader = shared_reader()
+        self._attached = True
+        self._reader.attach(self)
 
     def request_stop(self) -> None:
-        """Asks the thread to stop without waiting; :meth:`stop` then joins it."""
-        self._stop.set()
+        """Asks the stream to stop without waiting; :meth:`stop` then waits for it."""
+        if not self._stop.is_set():
+            self._stop.set()
+            if self._reader is not None:
+                self._reader.detach(self)
 
     def stop(self, timeout: float = 2.0) -> None:
-        self._stop.set()
-        thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
-            if thread.is_alive():
-                log.warning("stream %s: thread did not stop within %.1f s", self.endpoint, timeout)
-                return  # its sockets still live in the context: do not terminate it
+        deadline = time.monotonic() + timeout
+        self.request_stop()
+        stopped = self._reader is None or self._closed.wait(timeout)
+        with self._qlock:
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(max(0.0, deadline - time.monotonic()))
+            stopped = stopped and not worker.is_alive()
+        if not stopped:
+            log.warning("stream %s: did not stop within %.1f s", self.endpoint, timeout)
+            return  # its sockets may still live in the context: do not terminate it
         if self._own_context:
             self._ctx.term()
 
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Started and not yet stopped (its socket open, or a sync still running)."""
+        with self._qlock:
+            worker = self._worker
+        return self._attached or (worker is not None and worker.is_alive())
 
     def health(self) -> StreamHealth:
         with self._cond:
@@ -273,36 +309,97 @@ class StreamSubscriber:
         with self._cond:
             self._cond.notify_all()
 
-    # ------------------------------------------------------------------ thread
+    # ------------------------------------------------------------------ on the reader thread
 
-    def _run(self) -> None:
+    def _reader_open(self, reader: IngestReader) -> None:
+        self._open()
+        if self.replay_endpoint:
+            self._hand_off(initial=True)
+        self._notify()
+
+    def _reader_readable(self) -> bool:
+        """Reads a bounded number of batches, then applies what simply follows the last one;
+        True when the budget ran out (more may be queued)."""
+        if self._sub is None:
+            return False
+        more = self._read_live(self.options.read_budget) >= self.options.read_budget
         try:
-            self._started_at = time.monotonic()
-            self._open()
-            if self.replay_endpoint:
+            self._drain_in_order()
+        except Exception:  # never let one bad batch stop the stream
+            self._rlog.warning("step", "stream %s: unexpected error", self.endpoint)
+            log.debug("stream step failed", exc_info=True)
+        self._notify()
+        return more
+
+    def _reader_tick(self, now: float) -> None:
+        with self._qlock:
+            busy = self._worker is not None
+        if not busy and not self._stop.is_set():
+            self._check_liveness()  # during a sync the sync's own deadline decides
+        self._notify()  # ``connected`` and the ages change with time alone
+
+    def _reader_close(self) -> None:
+        self._close()
+        self._attached = False
+        self._closed.set()
+        self._notify()
+
+    def _drain_in_order(self) -> None:
+        """Applies queued batches while each is the next seq; hands the rest to a sync thread."""
+        pending = self._pending
+        while pending and not self._stop.is_set():
+            with self._qlock:
+                if self._worker is not None or not pending:
+                    return
+                item = pending[0]
+                last, high = self._last, self._live_high
+                if self._need_sync or last is None or item.seq != last + 1 or (high is not None and item.seq <= high):
+                    self._start_worker(initial=False)
+                    return
+                pending.popleft()
+                self._pending_bytes -= item.size
+            # exactly _process's path for the next seq of the same epoch, without its checks
+            self._live_high = item.seq
+            self._apply(item.seq, item.batch)
+
+    # ------------------------------------------------------------------ sync thread
+
+    def _hand_off(self, *, initial: bool) -> None:
+        with self._qlock:
+            if self._worker is None:
+                self._start_worker(initial=initial)
+
+    def _start_worker(self, *, initial: bool) -> None:
+        """Under ``_qlock``: the state machine moves to a thread that may block on a replay."""
+        name = f"kv-sync-{self.instance_id}" + ("" if self.dp_rank_override is None else f"-r{self.dp_rank_override}")
+        self._worker = threading.Thread(target=self._work, args=(initial,), name=name, daemon=True)
+        self._worker.start()
+
+    def _work(self, initial: bool) -> None:
+        try:
+            if initial:
                 try:
                     self._initial_sync()
                 except Exception:
                     log.exception("stream %s: initial sync failed", self.endpoint)
             while not self._stop.is_set():
                 try:
-                    self._step()
+                    self._drain()
                 except Exception:  # never let one bad step kill the only writer
                     self._rlog.warning("step", "stream %s: unexpected error", self.endpoint)
                     log.debug("stream step failed", exc_info=True)
                     self._stop.wait(self.options.poll_s)
+                with self._qlock:
+                    if not self._pending:
+                        self._worker = None  # back to the reader
+                        return
         finally:
-            self._close()
+            with self._qlock:
+                if self._worker is threading.current_thread():
+                    self._worker = None
             self._notify()
 
-    def _step(self) -> None:
-        assert self._sub is not None
-        events = dict(self._poller.poll(int(self.options.poll_s * 1000)))
-        if self._sub in events:
-            self._read_live()
-        self._drain()
-        self._check_liveness()
-        self._notify()
+    # ------------------------------------------------------------------ sockets (reader thread)
 
     def _open(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -314,12 +411,14 @@ class StreamSubscriber:
         apply_client(sub, self._curve)
         sub.connect(self.endpoint)
         self._sub = sub
-        self._poller.register(sub, zmq.POLLIN)
+        if self._reader is not None:
+            self._reader.watch(sub, self._reader_readable)
         self._opened_at = time.monotonic()
 
     def _close(self) -> None:
         if self._sub is not None:
-            self._poller.unregister(self._sub)
+            if self._reader is not None:
+                self._reader.unwatch(self._sub)
             self._sub.close(linger=0)
             self._sub = None
 
@@ -359,14 +458,17 @@ class StreamSubscriber:
 
     # ------------------------------------------------------------------ live input
 
-    def _read_live(self, budget: int = 1024) -> None:
+    def _read_live(self, budget: int) -> int:
+        """Reads up to ``budget`` messages; how many were read."""
         assert self._sub is not None
-        for _ in range(budget):
+        recv = self._sub.recv_multipart
+        for count in range(budget):
             try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK, copy=True)
+                frames = recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                return
+                return count
             self._receive(frames)
+        return budget
 
     def _receive(self, frames: list[bytes]) -> None:
         self._last_msg = time.monotonic()
@@ -380,7 +482,7 @@ class StreamSubscriber:
         batch = self._decode(payload)
         if self._load_sink is not None and batch is not None and not batch.events and self.dp_rank_override is None:
             self._take_loads(payload)  # live figures only: a replayed report is history
-        self._enqueue(_Item(seq, batch, hash(payload)))
+        self._enqueue(_Item(seq, batch, hash(payload), len(payload)))
 
     def _take_loads(self, payload: bytes) -> None:
         """A heartbeat-shaped payload that is a rank-load message: its figures to the sink."""
@@ -401,19 +503,38 @@ class StreamSubscriber:
             return None
 
     def _bad_input(self, what: str, exc: wire.WireError) -> None:
-        self._c.decode_errors += 1
+        with self._cond:  # counted by the reader (live) and by a sync thread (replies)
+            self._c.decode_errors += 1
         self._rlog.warning(f"bad:{exc.reason}", "stream %s: skipped a malformed %s: %s", self.endpoint, what, exc)
 
     def _enqueue(self, item: _Item) -> None:
-        if len(self._pending) >= self.options.live_buffer:
-            self._pending.popleft()  # the gap this leaves is found and replayed later
-            self._c.dropped_live += 1
-            self._rlog.warning("buffer", "stream %s: live buffer full, dropping the oldest batch", self.endpoint)
-        self._pending.append(item)
+        with self._qlock:
+            pending = self._pending
+            while pending and (
+                len(pending) >= self.options.live_buffer
+                or self._pending_bytes + item.size > self.options.live_buffer_bytes
+            ):
+                self._pending_bytes -= pending.popleft().size  # the gap this leaves is replayed later
+                self._c.dropped_live += 1
+                self._rlog.warning("buffer", "stream %s: live buffer full, dropping the oldest batch", self.endpoint)
+            pending.append(item)
+            self._pending_bytes += item.size
+
+    def _push_front(self, item: _Item) -> None:
+        """Puts back the batch being processed: it is looked at again after a sync."""
+        with self._qlock:
+            self._pending.appendleft(item)
+            self._pending_bytes += item.size
 
     def _drain(self) -> None:
-        while self._pending and not self._stop.is_set():
-            self._process(self._pending.popleft())
+        """Runs the whole state machine over the buffer (on the sync thread; may block)."""
+        while not self._stop.is_set():
+            with self._qlock:
+                if not self._pending:
+                    return
+                item = self._pending.popleft()
+                self._pending_bytes -= item.size
+            self._process(item)
 
     # ------------------------------------------------------------------ state machine
 
@@ -421,7 +542,7 @@ class StreamSubscriber:
         seq, batch = item.seq, item.batch
         if self._need_sync:
             self._need_sync = False
-            self._pending.appendleft(item)
+            self._push_front(item)
             self._full_sync(wire.seq_epoch(seq))
             return
         empty = batch is None or not batch.events
@@ -494,7 +615,7 @@ class StreamSubscriber:
         self._clear_scope()
         self._live_high = None
         self._gap_key = None
-        self._pending.appendleft(item)
+        self._push_front(item)
         self._full_sync(wire.seq_epoch(item.seq))
 
     def _new_epoch(self, epoch: int) -> None:
@@ -510,7 +631,7 @@ class StreamSubscriber:
     def _gap(self, item: _Item) -> None:
         assert self._last is not None
         seq, last = item.seq, self._last
-        self._pending.appendleft(item)
+        self._push_front(item)
         key = (seq, last)
         if self._gap_key == key:  # the previous attempt made no progress: start over from here
             log.warning("stream %s: gap before %d cannot be filled; continuing from it", self.endpoint, seq)
@@ -657,16 +778,12 @@ class StreamSubscriber:
     # ------------------------------------------------------------------ replay
 
     def _fetch(self, start_seq: int, *, snapshot: bool) -> _Fetch:
-        """One replay request; live batches arriving meanwhile go to the (bounded) buffer."""
+        """One replay request (on the sync thread); the reader buffers live batches meanwhile."""
         assert self.replay_endpoint is not None
         client = ReplayClient(self._ctx, self.replay_endpoint, curve=self._curve)
         replies: list[_Item] = []
         try:
             client.request(start_seq, snapshot=snapshot)
-            poller = zmq.Poller()
-            poller.register(client.socket, zmq.POLLIN)
-            if self._sub is not None:
-                poller.register(self._sub, zmq.POLLIN)
             deadline = time.monotonic() + self.options.replay_timeout_s
             while not self._stop.is_set():
                 remaining = deadline - time.monotonic()
@@ -674,10 +791,7 @@ class StreamSubscriber:
                     kind = "snapshot" if snapshot else "replay"
                     self._rlog.warning(f"timeout:{kind}", "stream %s: %s request timed out", self.endpoint, kind)
                     return _Fetch(False, replies)
-                events = dict(poller.poll(max(1, int(min(remaining, self.options.poll_s) * 1000))))
-                if self._sub is not None and self._sub in events:
-                    self._read_live()
-                if client.socket in events:
+                if client.socket.poll(max(1, int(min(remaining, self.options.poll_s) * 1000)), zmq.POLLIN):
                     self._last_msg = time.monotonic()  # the publisher's process answers: it is up
                     done = self._read_replies(client, replies)
                     if done is not None:
@@ -707,7 +821,7 @@ class StreamSubscriber:
 
 def _looks_like_snapshot(replies: list[_Item], start_seq: int) -> bool:
     """A fan-in answers a start older than its buffer with a snapshot: AllBlocksCleared first."""
-    seq, batch, _ = replies[0]
+    seq, batch = replies[0].seq, replies[0].batch
     if batch is None or not batch.events or seq == start_seq:
         return False
     return type(batch.events[0]) is wire.AllBlocksCleared
