@@ -55,6 +55,7 @@ class RankLoadBook:
         # requests between two reports does not all score the same idle rank.
         self._commits: dict[str, dict[int, float]] = {}
         self._committed: dict[str, set[int]] = {}  # prompts committed since the last report
+        self._commit_count: dict[str, int] = {}  # effective commits since the last report
         self._version = 0
         self.reports = 0
 
@@ -72,6 +73,7 @@ class RankLoadBook:
         self.reports += 1
         self._commits.pop(instance, None)  # the new figures include what was committed before them
         self._committed.pop(instance, None)
+        self._commit_count.pop(instance, None)
         self._by_instance[instance] = InstanceLoads(
             time.monotonic() if now is None else now,
             report.ts,
@@ -92,6 +94,16 @@ class RankLoadBook:
         if (time.monotonic() if now is None else now) - found.received > self.stale_after_s:
             return None
         return found
+
+    def token(self, instance: str, now: float) -> tuple[int, int] | None:
+        """What :meth:`get` and :meth:`current` say of ``instance`` at ``now``, as a key: None
+        without fresh figures, else ``(report version, commits since that report)``.  Equal
+        tokens mean equal loads: versions never repeat (every report gets a new one) and the
+        commits since a report only grow, so a remembered answer keyed by it is never stale."""
+        found = self._by_instance.get(instance)
+        if found is None or now - found.received > self.stale_after_s:
+            return None
+        return found.version, self._commit_count.get(instance, 0)
 
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
@@ -116,10 +128,13 @@ class RankLoadBook:
         seen.add(prompt)
         extra = self._commits.setdefault(instance, {})
         extra[rank] = extra.get(rank, 0.0) + tokens
+        self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
 
     def forget(self, instance: str) -> None:
         self._by_instance.pop(instance, None)
         self._commits.pop(instance, None)
+        self._committed.pop(instance, None)
+        self._commit_count.pop(instance, None)
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

@@ -19,12 +19,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from motor_adapter.adapter_metrics import AdapterMetrics, HitTally
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
-from motor_adapter.rank_loads import InstanceLoads
+from motor_adapter.rank_loads import InstanceLoads, RankLoadBook
 from motor_adapter.registration import (
     Registration,
     Unregistration,
@@ -90,6 +90,18 @@ class _View:
     # Whole answers by the index's remembered result they render (by identity: the index
     # hands out the same dict for the same walk ends; the entry keeps it alive).
     by_best: dict[int, _Answered] = dataclasses.field(default_factory=dict)
+    # The rank-aware path (AdapterState._answer_by_rank): its instances, whole answers by
+    # (walk result, isl, spread, loads tokens), per-rank hits by walk result, each instance's
+    # score and entry by what it is a function of.  Each entry keeps its identity-keyed inputs.
+    rank_plans: tuple[_Plan, ...] = ()
+    by_rank: dict[tuple[Any, ...], _RankAnswered] = dataclasses.field(default_factory=dict)
+    rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    rank_scores: dict[tuple[Any, ...], tuple[Mapping[int, TierCounts], RankScored, int]] = dataclasses.field(
+        default_factory=dict
+    )
+    rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -107,6 +119,25 @@ class Answer:
 
 
 _Answered = tuple[Mapping[str, Any], Answer, HitTally]  # the index's result it renders, the answer, its tally
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankAnswered:
+    """A rank-aware answer with what a repeat of it replays: the metrics (its hits' tally,
+    ``(instance, rank, matched)`` scored) and the commit ``(stream, rank, tokens)`` it makes."""
+
+    answer: Answer
+    tally: HitTally
+    scored: tuple[tuple[str, int, int], ...]
+    commit: Union[tuple[str, int, float], None]
+    best: Union[Mapping[str, Any], None] = None  # the walk result it renders (kept alive: keyed by its id)
+
+
+# Small on purpose: prompts that differ (a new spread key, a commit per answer) fill the memos
+# with entries never asked for again, and thousands of kept answers (nested dicts) made every
+# full garbage collection walk them - 187 us per answer in-process with 4096, against ~50.
+_RANK_MEMO_MAX = 256
+_NO_RANKS: Mapping[int, TierCounts] = {}  # an instance with no hit: one object (memo keys use identities)
 
 
 _VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
@@ -349,7 +380,9 @@ class AdapterState:
                 self.metrics.missed_registration(model, tenant)
                 raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
             entry = self._indexes.get(key)
-            view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
+            plans = _plans(regs, block_size)
+            rank_plans = tuple(plan for plan in plans if plan.single and plan.streams)
+            view = _View(regs, entry.affinity if entry else None, plans, rank_plans=rank_plans)
             if len(self._views) >= _VIEWS_MAX:
                 self._views.clear()
             self._views[key] = view
@@ -418,9 +451,10 @@ class AdapterState:
         ``isl`` is the prompt's length (default ``blocks * block_size``), ``spread`` its
         tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
         view = self._view(model, tenant, block_size)
-        if view.affinity is not None and _has_loads(view):
+        loads = _loads_tokens(view)
+        if loads is not None:
             size = isl if isl is not None else blocks * block_size
-            return self._answer_by_rank(view, model, tenant, block_size, keys, blocks, started, size, spread)
+            return self._answer_by_rank(view, model, tenant, block_size, keys, blocks, started, size, spread, loads)
         best, remembered = self._best_ranks(view, keys, block_size)
         done = view.by_best.get(id(best)) if remembered else None
         if done is None or done[0] is not best:
@@ -445,67 +479,110 @@ class AdapterState:
         started: float,
         isl: int,
         spread: int,
+        loads: _Loads,
     ) -> Answer:
         """Every instance scored by the rank that would serve the request - that rank's hit and
         load, ``rank_cost.score_ranks``, the dispatcher's own function - and answered in the
         values Motor's unchanged cost reads (:func:`scoring.motor_values`): ``DP`` for the
         Ascend source's cost, ``GPU`` for 3.0.0b2's largest-GPU rule.  ``dp_detail`` names the
         rank (``scored_rank``; ``engine_dp_rank`` and the tiers: its real hit, None without one;
-        ``rank_load``, ``rank_cost``).  Not remembered:
-        the loads change every report."""
+        ``rank_load``, ``rank_cost``).
+
+        Remembered while only NPU holds blocks, keyed by what the answer is a function of: the
+        index's remembered walk result (by identity: one object per walk ends, a new one when a
+        holding or a worker changes), ``isl``, ``spread`` and each instance's loads token
+        (``loads``, :meth:`RankLoadBook.token`: a new report or a commit changes it).  Each
+        instance's score is remembered alike (its hits, its token, ``isl``, the scan's start),
+        so a query that changes one instance's loads scores only that one again.  The answer's
+        commit (the prompt's uncached tokens to the rank it names) runs on every query."""
+        affinity = view.affinity
+        assert affinity is not None
+        best = affinity.best_for_keys(keys)  # the walk's remembered result, or None (CPU/disk hold blocks)
+        ranked: Union[_RankAnswered, None]
+        if best is None:
+            all_hits = affinity.hits_for_keys(keys)
+            ranked = self._rank_answer(view, tenant, block_size, all_hits, loads, isl, spread, False)
+        else:
+            key = (id(best), isl, spread, loads.tokens)
+            ranked = view.by_rank.get(key)
+            if ranked is None or ranked.best is not best:
+                found = view.rank_hits.get(id(best))
+                if found is None or found[0] is not best:
+                    # The per-rank hits of these walk ends: one walk more (counted by the index)
+                    # when the walk ends first appear, none after.
+                    found = (best, affinity.hits_for_keys(keys))
+                    _remember(view.rank_hits, id(best), found)
+                ranked = self._rank_answer(view, tenant, block_size, found[1], loads, isl, spread, True)
+                ranked = dataclasses.replace(ranked, best=best)
+                _remember(view.by_rank, key, ranked)
+        if ranked.commit is not None:
+            # The answer makes Motor pick this instance and its dispatcher this rank: count the
+            # prompt's uncached part there until the instance's next report.
+            stream, rank, tokens = ranked.commit
+            affinity.loads.commit(stream, rank, tokens, keys[-1] if keys else spread)
+        for instance, rank, matched in ranked.scored:
+            self.metrics.observe_scored(instance, rank, matched)
+        self.metrics.observe_tally(model, ranked.tally, blocks, started)
+        return ranked.answer
+
+    def _rank_answer(
+        self,
+        view: _View,
+        tenant: str,
+        block_size: int,
+        all_hits: Mapping[str, Mapping[int, TierCounts]],
+        loads: _Loads,
+        isl: int,
+        spread: int,
+        remember: bool,
+    ) -> _RankAnswered:
+        """:meth:`_answer_by_rank`'s answer, computed; with ``remember``, each instance's score
+        and entry come from the view's memos when their inputs were seen (``all_hits``' dicts
+        are then the remembered ones, stable by identity)."""
         assert view.affinity is not None
         cfg, shape = self.scoring_config(block_size), self.config.query_shape
         params = _cost_params(cfg)
-        all_hits = view.affinity.hits_for_keys(keys)
         book = view.affinity.loads
-        plans = [plan for plan in view.plans if plan.single and plan.streams]
+        plans = view.rank_plans
         scored: list[RankScored] = []
         longest: list[int] = []
-        for plan in plans:
-            ranks = all_hits.get(plan.streams[0][1], {})
-            longest.append(max((h.total_blocks for h in ranks.values()), default=0) * block_size)
-            loads = book.get(plan.streams[0][1])
-            if loads is None or loads.dp_size == 0:  # no load figures: the longest hit, as before
-                found = best_rank(ranks, cfg)
-                hit = found[1] if found else None
-                matched = matched_tokens(hit, cfg, isl)
-                cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
-                scored.append(RankScored(found[0] if found else None, hit, matched, cost))
-                continue
-            size = loads.dp_size
-            now = book.current(loads, plan.streams[0][1])
-            tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
-            chosen = score_ranks(tiers, now, list(range(size)), spread_start(spread, size), isl, params)
-            hit = ranks.get(chosen.rank)
-            scored.append(RankScored(chosen.rank, hit, chosen.matched, chosen.cost, sum(now), chosen.load))
+        for plan, token in zip(plans, loads.tokens, strict=True):
+            stream = plan.streams[0][1]
+            ranks = all_hits.get(stream, _NO_RANKS)
+            figures = book.get(stream, loads.now) if token is not None else None
+            size = figures.dp_size if figures is not None else 0
+            start = spread_start(spread, size)
+            score_key = (stream, id(ranks), token, isl, start)
+            done = view.rank_scores.get(score_key) if remember else None
+            if done is None or done[0] is not ranks:
+                done = (ranks, *_score_instance(ranks, figures, book, stream, size, start, isl, cfg, params))
+                if remember:
+                    _remember(view.rank_scores, score_key, done)
+            scored.append(done[1])
+            longest.append(done[2])
         out: dict[str, dict[str, Any]] = {}
         observed: list[_Observed] = []
+        counted: list[tuple[str, int, int]] = []
+        commit: Union[tuple[str, int, float], None] = None
         if scored:
             best = pick_instance(scored, spread)
             dp_values, gpu_values = motor_values(scored, best, cfg, isl)
             top = scored[best]
-            if top.rank is not None and book.get(plans[best].streams[0][1]) is not None:
-                # The answer makes Motor pick this instance and its dispatcher this rank: count
-                # the prompt's uncached part there until the instance's next report.
-                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched, keys[-1] if keys else spread)
+            if top.rank is not None and loads.tokens[best] is not None:
+                commit = (plans[best].streams[0][1], top.rank, isl - top.matched)
             for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
-                key = plan.keys[0]
-                # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
-                # scored_rank the rank that would serve the request, hit or not.
-                entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
-                entry["scored_rank"] = s.rank
-                entry["rank_cost"] = round(s.cost, 1)
-                entry["rank_load"] = round(s.load, 1)
-                answer = instance_entry({key: entry}, cfg, block_size, shape)
-                answer["longest_matched"] = longest[i]
-                answer["GPU"] = gpu_values[i]
-                if shape == "tokens":
-                    answer["DP"] = {key: dp_values[i]}
-                out[plan.instance] = answer
+                dp_value = dp_values[i] if shape == "tokens" else None
+                entry_key = (plan.instance, id(s), longest[i], gpu_values[i], dp_value)
+                rendered = view.rank_entries.get(entry_key) if remember else None
+                if rendered is None or rendered[0] is not s:
+                    rendered = (s, _rank_entry(plan, s, longest[i], gpu_values[i], dp_value, block_size, cfg, shape))
+                    if remember:
+                        _remember(view.rank_entries, entry_key, rendered)
+                out[plan.instance] = rendered[1]
                 if s.hit is not None and s.rank is not None:
-                    observed.append((plan.instance, key, s.rank, s.hit))
+                    observed.append((plan.instance, plan.keys[0], s.rank, s.hit))
                 if s.rank is not None and s.matched > 0:
-                    self.metrics.observe_scored(plan.instance, s.rank, s.matched)
+                    counted.append((plan.instance, s.rank, s.matched))
         for plan in view.plans:  # several endpoints per instance: each dp its own stream's best rank
             if plan.instance in out:
                 continue
@@ -516,8 +593,7 @@ class AdapterState:
             entry_out, hits = _instance_answer(plan, tuple(per_stream), block_size, cfg, shape)
             out[plan.instance] = entry_out
             observed.extend(hits)
-        self.metrics.observe_tally(model, self.metrics.tally(observed), blocks, started)
-        return Answer({tenant: out}, {})
+        return _RankAnswered(Answer({tenant: out}, {}), self.metrics.tally(observed), tuple(counted), commit)
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -660,12 +736,82 @@ class AdapterState:
         return self.metrics.render(self.stream_health(), self.registrations(), self.rank_loads())
 
 
-def _has_loads(view: _View) -> bool:
-    """Whether any single-endpoint instance of the view has fresh rank loads."""
+class _Loads(NamedTuple):
+    """Each single-endpoint instance's loads token (``RankLoadBook.token``, in
+    ``view.rank_plans`` order) read at ``now`` (monotonic)."""
+
+    tokens: tuple[Union[tuple[int, int], None], ...]
+    now: float
+
+
+def _loads_tokens(view: _View) -> Union[_Loads, None]:
+    """The view's :class:`_Loads` when any instance has fresh rank loads, else None (answer by
+    the longest hit)."""
     affinity = view.affinity
     if affinity is None or not affinity.loads.reports:
-        return False
-    return any(plan.single and plan.streams and affinity.loads.get(plan.streams[0][1]) for plan in view.plans)
+        return None
+    book, now = affinity.loads, time.monotonic()
+    tokens = tuple(book.token(plan.streams[0][1], now) for plan in view.rank_plans)
+    return _Loads(tokens, now) if any(token is not None for token in tokens) else None
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """``memo[key] = value``, the memo started over past :data:`_RANK_MEMO_MAX` entries."""
+    if len(memo) >= _RANK_MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+
+
+def _score_instance(
+    ranks: Mapping[int, TierCounts],
+    figures: Union[InstanceLoads, None],
+    book: RankLoadBook,
+    stream: str,
+    size: int,
+    start: int,
+    isl: int,
+    cfg: KvAffinityConfig,
+    params: CostParams,
+) -> tuple[RankScored, int]:
+    """One instance scored by the rank that would serve the request (by its longest hit without
+    load figures, as before loads existed), and its longest hit in tokens."""
+    longest = max((h.total_blocks for h in ranks.values()), default=0) * cfg.block_size
+    if figures is None or size == 0:  # no load figures: the longest hit, as before
+        found = best_rank(ranks, cfg)
+        hit = found[1] if found else None
+        matched = matched_tokens(hit, cfg, isl)
+        cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
+        return RankScored(found[0] if found else None, hit, matched, cost), longest
+    now = book.current(figures, stream)
+    tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
+    chosen = score_ranks(tiers, now, list(range(size)), start, isl, params)
+    return RankScored(chosen.rank, ranks.get(chosen.rank), chosen.matched, chosen.cost, sum(now), chosen.load), longest
+
+
+def _rank_entry(
+    plan: _Plan,
+    s: RankScored,
+    longest: int,
+    gpu: int,
+    dp: Union[int, None],
+    block_size: int,
+    cfg: KvAffinityConfig,
+    shape: str,
+) -> dict[str, Any]:
+    """One instance's entry of a rank-aware answer (shared between answers: never mutated)."""
+    key = plan.keys[0]
+    # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
+    # scored_rank the rank that would serve the request, hit or not.
+    entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
+    entry["scored_rank"] = s.rank
+    entry["rank_cost"] = round(s.cost, 1)
+    entry["rank_load"] = round(s.load, 1)
+    answer = instance_entry({key: entry}, cfg, block_size, shape)
+    answer["longest_matched"] = longest
+    answer["GPU"] = gpu
+    if dp is not None:
+        answer["DP"] = {key: dp}
+    return answer
 
 
 _PARAMS: dict[KvAffinityConfig, CostParams] = {}
