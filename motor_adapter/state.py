@@ -98,9 +98,7 @@ class _View:
     rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
         default_factory=dict
     )
-    rank_scores: dict[tuple[Any, ...], tuple[Mapping[int, TierCounts], RankScored, int]] = dataclasses.field(
-        default_factory=dict
-    )
+    rank_scores: dict[tuple[Any, ...], _InstanceScores] = dataclasses.field(default_factory=dict)
     rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any]]] = dataclasses.field(default_factory=dict)
 
 
@@ -549,17 +547,15 @@ class AdapterState:
         for plan, token in zip(plans, loads.tokens, strict=True):
             stream = plan.streams[0][1]
             ranks = all_hits.get(stream, _NO_RANKS)
-            figures = book.get(stream, loads.now) if token is not None else None
-            size = figures.dp_size if figures is not None else 0
-            start = spread_start(spread, size)
-            score_key = (stream, id(ranks), token, isl, start)
-            done = view.rank_scores.get(score_key) if remember else None
-            if done is None or done[0] is not ranks:
-                done = (ranks, *_score_instance(ranks, figures, book, stream, size, start, isl, cfg, params))
+            score_key = (stream, id(ranks), token, isl)
+            scores = view.rank_scores.get(score_key) if remember else None
+            if scores is None or scores.ranks is not ranks:
+                figures = book.get(stream, loads.now) if token is not None else None
+                scores = _InstanceScores(ranks, figures, book, stream, isl, cfg, params)
                 if remember:
-                    _remember(view.rank_scores, score_key, done)
-            scored.append(done[1])
-            longest.append(done[2])
+                    _remember(view.rank_scores, score_key, scores)
+            scored.append(scores.at(spread))
+            longest.append(scores.longest)
         out: dict[str, dict[str, Any]] = {}
         observed: list[_Observed] = []
         counted: list[tuple[str, int, int]] = []
@@ -571,14 +567,19 @@ class AdapterState:
             if top.rank is not None and loads.tokens[best] is not None:
                 commit = (plans[best].streams[0][1], top.rank, isl - top.matched)
             for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
-                dp_value = dp_values[i] if shape == "tokens" else None
-                entry_key = (plan.instance, id(s), longest[i], gpu_values[i], dp_value)
+                entry_key = (plan.instance, id(s), longest[i])
                 rendered = view.rank_entries.get(entry_key) if remember else None
                 if rendered is None or rendered[0] is not s:
-                    rendered = (s, _rank_entry(plan, s, longest[i], gpu_values[i], dp_value, block_size, cfg, shape))
+                    rendered = (s, _rank_entry(plan, s, longest[i], block_size, cfg, shape))
                     if remember:
                         _remember(view.rank_entries, entry_key, rendered)
-                out[plan.instance] = rendered[1]
+                # What depends on the other instances too (Motor's values), set per answer on a
+                # shallow copy: the remembered entry and its nested dicts are shared, never mutated.
+                entry = dict(rendered[1])
+                entry["GPU"] = gpu_values[i]
+                if shape == "tokens":
+                    entry["DP"] = {plan.keys[0]: dp_values[i]}
+                out[plan.instance] = entry
                 if s.hit is not None and s.rank is not None:
                     observed.append((plan.instance, plan.keys[0], s.rank, s.hit))
                 if s.rank is not None and s.matched > 0:
@@ -762,43 +763,61 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     memo[key] = value
 
 
-def _score_instance(
-    ranks: Mapping[int, TierCounts],
-    figures: Union[InstanceLoads, None],
-    book: RankLoadBook,
-    stream: str,
-    size: int,
-    start: int,
-    isl: int,
-    cfg: KvAffinityConfig,
-    params: CostParams,
-) -> tuple[RankScored, int]:
-    """One instance scored by the rank that would serve the request (by its longest hit without
-    load figures, as before loads existed), and its longest hit in tokens."""
-    longest = max((h.total_blocks for h in ranks.values()), default=0) * cfg.block_size
-    if figures is None or size == 0:  # no load figures: the longest hit, as before
-        found = best_rank(ranks, cfg)
-        hit = found[1] if found else None
-        matched = matched_tokens(hit, cfg, isl)
-        cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
-        return RankScored(found[0] if found else None, hit, matched, cost), longest
-    now = book.current(figures, stream)
-    tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
-    chosen = score_ranks(tiers, now, list(range(size)), start, isl, params)
-    return RankScored(chosen.rank, ranks.get(chosen.rank), chosen.matched, chosen.cost, sum(now), chosen.load), longest
+class _InstanceScores:
+    """One instance's scores for one prompt length under one loads state, by the scan's start
+    (``rank_cost.spread_start``: ties only).  Without load figures the instance is scored by
+    its longest hit, as before loads existed.  ``longest``: its longest hit in tokens."""
+
+    __slots__ = ("by_start", "isl", "load_sum", "longest", "no_loads", "now", "order", "params", "ranks", "tiers")
+
+    def __init__(
+        self,
+        ranks: Mapping[int, TierCounts],
+        figures: Union[InstanceLoads, None],
+        book: RankLoadBook,
+        stream: str,
+        isl: int,
+        cfg: KvAffinityConfig,
+        params: CostParams,
+    ) -> None:
+        self.ranks = ranks
+        self.isl = isl
+        self.params = params
+        self.longest = max((h.total_blocks for h in ranks.values()), default=0) * cfg.block_size
+        self.by_start: dict[int, RankScored] = {}
+        size = figures.dp_size if figures is not None else 0
+        self.no_loads: Union[RankScored, None] = None
+        if figures is None or size == 0:  # no load figures: the longest hit, as before
+            found = best_rank(ranks, cfg)
+            hit = found[1] if found else None
+            matched = matched_tokens(hit, cfg, isl)
+            cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
+            self.no_loads = RankScored(found[0] if found else None, hit, matched, cost)
+            return
+        self.now = book.current(figures, stream)
+        self.load_sum = sum(self.now)
+        self.tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
+        self.order = list(range(size))
+
+    def at(self, spread: int) -> RankScored:
+        """The instance's :class:`RankScored` for a prompt of tie-break key ``spread``."""
+        if self.no_loads is not None:
+            return self.no_loads
+        start = spread_start(spread, len(self.order))
+        found = self.by_start.get(start)
+        if found is None:
+            chosen = score_ranks(self.tiers, self.now, self.order, start, self.isl, self.params)
+            hit = self.ranks.get(chosen.rank)
+            found = RankScored(chosen.rank, hit, chosen.matched, chosen.cost, self.load_sum, chosen.load)
+            self.by_start[start] = found
+        return found
 
 
 def _rank_entry(
-    plan: _Plan,
-    s: RankScored,
-    longest: int,
-    gpu: int,
-    dp: Union[int, None],
-    block_size: int,
-    cfg: KvAffinityConfig,
-    shape: str,
+    plan: _Plan, s: RankScored, longest: int, block_size: int, cfg: KvAffinityConfig, shape: str
 ) -> dict[str, Any]:
-    """One instance's entry of a rank-aware answer (shared between answers: never mutated)."""
+    """One instance's entry of a rank-aware answer but Motor's values (``GPU``, and ``DP`` in
+    the "tokens" shape), which depend on the other instances (shared: never mutated)."""
     key = plan.keys[0]
     # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
     # scored_rank the rank that would serve the request, hit or not.
@@ -808,9 +827,6 @@ def _rank_entry(
     entry["rank_load"] = round(s.load, 1)
     answer = instance_entry({key: entry}, cfg, block_size, shape)
     answer["longest_matched"] = longest
-    answer["GPU"] = gpu
-    if dp is not None:
-        answer["DP"] = {key: dp}
     return answer
 
 
