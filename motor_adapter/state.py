@@ -99,7 +99,9 @@ class _View:
         default_factory=dict
     )
     rank_scores: dict[tuple[Any, ...], _InstanceScores] = dataclasses.field(default_factory=dict)
-    rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any]]] = dataclasses.field(default_factory=dict)
+    rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any], HitTally]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -557,7 +559,7 @@ class AdapterState:
             scored.append(scores.at(spread))
             longest.append(scores.longest)
         out: dict[str, dict[str, Any]] = {}
-        observed: list[_Observed] = []
+        tallies: list[HitTally] = []
         counted: list[tuple[str, int, int]] = []
         commit: Union[tuple[str, int, float], None] = None
         if scored:
@@ -570,7 +572,13 @@ class AdapterState:
                 entry_key = (plan.instance, id(s), longest[i])
                 rendered = view.rank_entries.get(entry_key) if remember else None
                 if rendered is None or rendered[0] is not s:
-                    rendered = (s, _rank_entry(plan, s, longest[i], block_size, cfg, shape))
+                    own = (
+                        [(plan.instance, plan.keys[0], s.rank, s.hit)]
+                        if s.hit is not None and s.rank is not None
+                        else []
+                    )
+                    entry = _rank_entry(plan, s, longest[i], block_size, cfg, shape)
+                    rendered = (s, entry, self.metrics.tally(own))
                     if remember:
                         _remember(view.rank_entries, entry_key, rendered)
                 # What depends on the other instances too (Motor's values), set per answer on a
@@ -580,10 +588,10 @@ class AdapterState:
                 if shape == "tokens":
                     entry["DP"] = {plan.keys[0]: dp_values[i]}
                 out[plan.instance] = entry
-                if s.hit is not None and s.rank is not None:
-                    observed.append((plan.instance, plan.keys[0], s.rank, s.hit))
+                tallies.append(rendered[2])
                 if s.rank is not None and s.matched > 0:
                     counted.append((plan.instance, s.rank, s.matched))
+        observed: list[_Observed] = []
         for plan in view.plans:  # several endpoints per instance: each dp its own stream's best rank
             if plan.instance in out:
                 continue
@@ -594,7 +602,11 @@ class AdapterState:
             entry_out, hits = _instance_answer(plan, tuple(per_stream), block_size, cfg, shape)
             out[plan.instance] = entry_out
             observed.extend(hits)
-        return _RankAnswered(Answer({tenant: out}, {}), self.metrics.tally(observed), tuple(counted), commit)
+        if observed:
+            tallies.append(self.metrics.tally(observed))
+        # Counting is additive: the answer's tally is its instances' (each resolved once).
+        tally = HitTally(tuple(add for t in tallies for add in t.adds), max((t.best for t in tallies), default=0))
+        return _RankAnswered(Answer({tenant: out}, {}), tally, tuple(counted), commit)
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -768,7 +780,19 @@ class _InstanceScores:
     (``rank_cost.spread_start``: ties only).  Without load figures the instance is scored by
     its longest hit, as before loads existed.  ``longest``: its longest hit in tokens."""
 
-    __slots__ = ("by_start", "isl", "load_sum", "longest", "no_loads", "now", "order", "params", "ranks", "tiers")
+    __slots__ = (
+        "by_choice",
+        "by_start",
+        "isl",
+        "load_sum",
+        "longest",
+        "no_loads",
+        "now",
+        "order",
+        "params",
+        "ranks",
+        "tiers",
+    )
 
     def __init__(
         self,
@@ -785,6 +809,7 @@ class _InstanceScores:
         self.params = params
         self.longest = max((h.total_blocks for h in ranks.values()), default=0) * cfg.block_size
         self.by_start: dict[int, RankScored] = {}
+        self.by_choice: dict[int, RankScored] = {}  # one object per rank chosen: entries are remembered by it
         size = figures.dp_size if figures is not None else 0
         self.no_loads: Union[RankScored, None] = None
         if figures is None or size == 0:  # no load figures: the longest hit, as before
@@ -807,8 +832,11 @@ class _InstanceScores:
         found = self.by_start.get(start)
         if found is None:
             chosen = score_ranks(self.tiers, self.now, self.order, start, self.isl, self.params)
-            hit = self.ranks.get(chosen.rank)
-            found = RankScored(chosen.rank, hit, chosen.matched, chosen.cost, self.load_sum, chosen.load)
+            found = self.by_choice.get(chosen.rank)
+            if found is None:  # the same rank chosen from another start: the same figures
+                hit = self.ranks.get(chosen.rank)
+                found = RankScored(chosen.rank, hit, chosen.matched, chosen.cost, self.load_sum, chosen.load)
+                self.by_choice[chosen.rank] = found
             self.by_start[start] = found
         return found
 

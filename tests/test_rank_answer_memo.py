@@ -176,3 +176,56 @@ def test_remembered_rank_answers_equal_fresh_ones_through_random_changes(seed: i
             else:
                 prompt = rng.choice(prompts)
             _ask(state, prompt)
+
+
+def _replay(seed: int) -> tuple[list[dict], list[str]]:
+    """One random run of stores, reports and repeated/new prompts through ``answer_keys``:
+    the answers, and the metrics' lines (timings aside)."""
+    rng = random.Random(seed)
+    state, affinity = _state(3)
+    prompts = [[rng.randrange(50_000) for _ in range(rng.randrange(1, 7) * BS)] for _ in range(5)]
+    answers = []
+    for step in range(200):
+        if step % 9 == 0:
+            prompt = rng.choice(prompts)
+            _store(affinity, rng.choice(URLS), rng.randrange(4), prompt, rng.randrange(1, len(prompt) // BS + 1), step)
+        if step % 13 == 0:
+            affinity.loads.apply(rng.choice(URLS[:2]), _report([float(rng.choice((0, 64, 500))) for _ in range(4)]))
+        if not affinity.loads.reports:
+            continue
+        prompt = rng.choice(prompts) if rng.random() < 0.7 else [rng.randrange(50_000) for _ in range(3 * BS)]
+        keys = sequence_keys(prompt, BS)
+        answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread_key(prompt, BS))
+        answers.append(answer.body)
+    lines = [line for line in state.render_metrics().splitlines() if "_seconds" not in line]
+    return answers, lines
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(3))
+def test_remembered_answers_count_the_metrics_and_commit_as_fresh_ones(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    remembered = _replay(seed)
+    monkeypatch.setattr(state_module, "_remember", lambda memo, key, value: None)  # nothing kept: all fresh
+    fresh = _replay(seed)
+    assert remembered[0] == fresh[0]  # commits included: a wrong one would move a later answer
+    assert remembered[1] == fresh[1]
+    assert any("scored_hit_tokens_total{" in line for line in fresh[1])
+
+
+@pytest.mark.unit
+def test_every_instance_hit_is_counted_for_every_remembered_answer() -> None:
+    state, affinity = _state()
+    prompt = list(range(1, 1 + 8 * BS))
+    _store(affinity, URLS[0], 3, prompt, 8, 100)
+    _store(affinity, URLS[1], 1, prompt, 5, 200)
+    affinity.loads.apply(URLS[0], _report([0.0] * 4))
+    affinity.loads.apply(URLS[1], _report([0.0] * 4))
+    for _ in range(3):  # the first computed, the next two remembered
+        _ask(state, prompt)
+    text = state.render_metrics()
+    assert 'instance_hit_blocks_total{dp="0",engine_dp_rank="3",instance="vllm-prefill-0",tier="npu"} 24' in text
+    assert 'instance_hit_blocks_total{dp="0",engine_dp_rank="1",instance="vllm-prefill-1",tier="npu"} 15' in text
+    assert 'motor_kv_adapter_query_hit_blocks_total{model="m"} 24' in text
+    assert 'scored_hit_tokens_total{engine_dp_rank="1",instance="vllm-prefill-1"} 240' in text
