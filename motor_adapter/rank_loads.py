@@ -95,6 +95,10 @@ class RankLoadBook:
             return None
         return found
 
+    def has_figures(self) -> bool:
+        """Whether any instance has figures (fresh or stale): without, ``/query`` asks none."""
+        return bool(self._by_instance)
+
     def token(self, instance: str, now: float) -> tuple[int, int] | None:
         """What :meth:`get` and :meth:`current` say of ``instance`` at ``now``, as a key: None
         without fresh figures, else ``(report version, commits since that report)``.  Equal

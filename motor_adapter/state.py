@@ -761,7 +761,7 @@ def _loads_tokens(view: _View) -> Union[_Loads, None]:
     """The view's :class:`_Loads` when any instance has fresh rank loads, else None (answer by
     the longest hit)."""
     affinity = view.affinity
-    if affinity is None or not affinity.loads.reports:
+    if affinity is None or not affinity.loads.has_figures():
         return None
     book, now = affinity.loads, time.monotonic()
     tokens = tuple(book.token(plan.streams[0][1], now) for plan in view.rank_plans)
