@@ -98,6 +98,7 @@ class _View:
     rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
         default_factory=dict
     )
+    rank_shapes: dict[tuple[Any, ...], _HitsShape] = dataclasses.field(default_factory=dict)
     rank_scores: dict[tuple[Any, ...], _InstanceScores] = dataclasses.field(default_factory=dict)
     rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any], HitTally]] = dataclasses.field(
         default_factory=dict
@@ -501,7 +502,7 @@ class AdapterState:
         ranked: Union[_RankAnswered, None]
         if best is None:
             all_hits = affinity.hits_for_keys(keys)
-            ranked = self._rank_answer(view, tenant, block_size, all_hits, loads, isl, spread, False)
+            ranked = self._rank_answer(view, tenant, block_size, all_hits, loads, isl, spread, None)
         else:
             key = (id(best), isl, spread, loads.tokens)
             ranked = view.by_rank.get(key)
@@ -512,8 +513,7 @@ class AdapterState:
                     # when the walk ends first appear, none after.
                     found = (best, affinity.hits_for_keys(keys))
                     _remember(view.rank_hits, id(best), found)
-                ranked = self._rank_answer(view, tenant, block_size, found[1], loads, isl, spread, True)
-                ranked = dataclasses.replace(ranked, best=best)
+                ranked = self._rank_answer(view, tenant, block_size, found[1], loads, isl, spread, best)
                 _remember(view.by_rank, key, ranked)
         if ranked.commit is not None:
             # The answer makes Motor pick this instance and its dispatcher this rank: count the
@@ -534,11 +534,12 @@ class AdapterState:
         loads: _Loads,
         isl: int,
         spread: int,
-        remember: bool,
+        best_walk: Union[Mapping[str, Any], None],
     ) -> _RankAnswered:
-        """:meth:`_answer_by_rank`'s answer, computed; with ``remember``, each instance's score
-        and entry come from the view's memos when their inputs were seen (``all_hits``' dicts
-        are then the remembered ones, stable by identity)."""
+        """:meth:`_answer_by_rank`'s answer, computed; with ``best_walk`` (the walk result it
+        renders), each instance's score and entry come from the view's memos when their inputs
+        were seen (``all_hits``' dicts are then the remembered ones, stable by identity)."""
+        remember = best_walk is not None
         assert view.affinity is not None
         cfg, shape = self.scoring_config(block_size), self.config.query_shape
         params = _cost_params(cfg)
@@ -553,7 +554,14 @@ class AdapterState:
             scores = view.rank_scores.get(score_key) if remember else None
             if scores is None or scores.ranks is not ranks:
                 figures = book.get(stream, loads.now) if token is not None else None
-                scores = _InstanceScores(ranks, figures, book, stream, isl, cfg, params)
+                size = figures.dp_size if figures is not None else 0
+                shape_key = (stream, id(ranks), size)
+                hits_shape = view.rank_shapes.get(shape_key) if remember else None
+                if hits_shape is None or hits_shape.ranks is not ranks:
+                    hits_shape = _HitsShape(ranks, size, block_size)
+                    if remember:
+                        _remember(view.rank_shapes, shape_key, hits_shape)
+                scores = _InstanceScores(hits_shape, figures, book, stream, isl, cfg, params)
                 if remember:
                     _remember(view.rank_scores, score_key, scores)
             scored.append(scores.at(spread))
@@ -606,7 +614,7 @@ class AdapterState:
             tallies.append(self.metrics.tally(observed))
         # Counting is additive: the answer's tally is its instances' (each resolved once).
         tally = HitTally(tuple(add for t in tallies for add in t.adds), max((t.best for t in tallies), default=0))
-        return _RankAnswered(Answer({tenant: out}, {}), tally, tuple(counted), commit)
+        return _RankAnswered(Answer({tenant: out}, {}), tally, tuple(counted), commit, best_walk)
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -775,6 +783,19 @@ def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
     memo[key] = value
 
 
+class _HitsShape:
+    """What an instance's scoring needs of its ranks' hits alone (no loads): its longest hit in
+    tokens, each rank's tiers below ``size`` and the ranks to scan - once per hits, not per report."""
+
+    __slots__ = ("longest", "order", "ranks", "tiers")
+
+    def __init__(self, ranks: Mapping[int, TierCounts], size: int, block_size: int) -> None:
+        self.ranks = ranks
+        self.longest = max((h.total_blocks for h in ranks.values()), default=0) * block_size
+        self.tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
+        self.order = list(range(size))
+
+
 class _InstanceScores:
     """One instance's scores for one prompt length under one loads state, by the scan's start
     (``rank_cost.spread_start``: ties only).  Without load figures the instance is scored by
@@ -796,7 +817,7 @@ class _InstanceScores:
 
     def __init__(
         self,
-        ranks: Mapping[int, TierCounts],
+        shape: _HitsShape,
         figures: Union[InstanceLoads, None],
         book: RankLoadBook,
         stream: str,
@@ -804,10 +825,10 @@ class _InstanceScores:
         cfg: KvAffinityConfig,
         params: CostParams,
     ) -> None:
-        self.ranks = ranks
+        ranks = self.ranks = shape.ranks
         self.isl = isl
         self.params = params
-        self.longest = max((h.total_blocks for h in ranks.values()), default=0) * cfg.block_size
+        self.longest = shape.longest
         self.by_start: dict[int, RankScored] = {}
         self.by_choice: dict[int, RankScored] = {}  # one object per rank chosen: entries are remembered by it
         size = figures.dp_size if figures is not None else 0
@@ -821,8 +842,8 @@ class _InstanceScores:
             return
         self.now = book.current(figures, stream)
         self.load_sum = sum(self.now)
-        self.tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
-        self.order = list(range(size))
+        self.tiers = shape.tiers  # shared, never mutated (score_ranks reads them)
+        self.order = shape.order
 
     def at(self, spread: int) -> RankScored:
         """The instance's :class:`RankScored` for a prompt of tie-break key ``spread``."""
