@@ -14,8 +14,9 @@ immutable :class:`InstanceLoads`, replaced whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sglang_kvpub import wire
 
@@ -58,6 +59,7 @@ class RankLoadBook:
         self._commit_count: dict[str, int] = {}  # effective commits since the last report
         self._version = 0
         self.reports = 0
+        self.changes = 0  # every report, effective commit and forget: tokens read before it still hold
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -71,6 +73,7 @@ class RankLoadBook:
             prefill[r.dp_rank] = r.prefill_tokens_total
         self._version += 1
         self.reports += 1
+        self.changes += 1
         self._commits.pop(instance, None)  # the new figures include what was committed before them
         self._committed.pop(instance, None)
         self._commit_count.pop(instance, None)
@@ -109,6 +112,21 @@ class RankLoadBook:
             return None
         return found.version, self._commit_count.get(instance, 0)
 
+    def tokens(self, instances: Sequence[str], now: float) -> tuple[tuple[tuple[int, int] | None, ...], float]:
+        """:meth:`token` of each of ``instances`` at ``now``, and until when they hold while
+        :attr:`changes` does not move (the first fresh one going stale)."""
+        out: list[tuple[int, int] | None] = []
+        until = math.inf
+        stale_after = self.stale_after_s
+        for instance in instances:
+            found = self._by_instance.get(instance)
+            if found is None or now - found.received > stale_after:
+                out.append(None)
+                continue
+            until = min(until, found.received + stale_after)
+            out.append((found.version, self._commit_count.get(instance, 0)))
+        return tuple(out), until
+
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
         extra = self._commits.get(instance)
@@ -133,12 +151,14 @@ class RankLoadBook:
         extra = self._commits.setdefault(instance, {})
         extra[rank] = extra.get(rank, 0.0) + tokens
         self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
+        self.changes += 1
 
     def forget(self, instance: str) -> None:
         self._by_instance.pop(instance, None)
         self._commits.pop(instance, None)
         self._committed.pop(instance, None)
         self._commit_count.pop(instance, None)
+        self.changes += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

@@ -94,6 +94,8 @@ class _View:
     # (walk result, isl, spread, loads tokens), per-rank hits by walk result, each instance's
     # score and entry by what it is a function of.  Each entry keeps its identity-keyed inputs.
     rank_plans: tuple[_Plan, ...] = ()
+    rank_streams: tuple[str, ...] = ()  # their streams
+    loads_seen: list[Any] = dataclasses.field(default_factory=list)  # [book changes, valid until, _Loads]
     by_rank: dict[tuple[Any, ...], _RankAnswered] = dataclasses.field(default_factory=dict)
     rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
         default_factory=dict
@@ -124,12 +126,12 @@ _Answered = tuple[Mapping[str, Any], Answer, HitTally]  # the index's result it 
 
 @dataclasses.dataclass(frozen=True)
 class _RankAnswered:
-    """A rank-aware answer with what a repeat of it replays: the metrics (its hits' tally,
-    ``(instance, rank, matched)`` scored) and the commit ``(stream, rank, tokens)`` it makes."""
+    """A rank-aware answer with what a repeat of it replays: the metrics (its hits' tally, the
+    scored tokens' counter cells) and the commit ``(stream, rank, tokens)`` it makes."""
 
     answer: Answer
     tally: HitTally
-    scored: tuple[tuple[str, int, int], ...]
+    scored: tuple[tuple[list[float], int], ...]
     commit: Union[tuple[str, int, float], None]
     best: Union[Mapping[str, Any], None] = None  # the walk result it renders (kept alive: keyed by its id)
 
@@ -383,7 +385,10 @@ class AdapterState:
             entry = self._indexes.get(key)
             plans = _plans(regs, block_size)
             rank_plans = tuple(plan for plan in plans if plan.single and plan.streams)
-            view = _View(regs, entry.affinity if entry else None, plans, rank_plans=rank_plans)
+            rank_streams = tuple(plan.streams[0][1] for plan in rank_plans)
+            view = _View(
+                regs, entry.affinity if entry else None, plans, rank_plans=rank_plans, rank_streams=rank_streams
+            )
             if len(self._views) >= _VIEWS_MAX:
                 self._views.clear()
             self._views[key] = view
@@ -520,8 +525,7 @@ class AdapterState:
             # prompt's uncached part there until the instance's next report.
             stream, rank, tokens = ranked.commit
             affinity.loads.commit(stream, rank, tokens, keys[-1] if keys else spread)
-        for instance, rank, matched in ranked.scored:
-            self.metrics.observe_scored(instance, rank, matched)
+        self.metrics.observe_cells(ranked.scored)
         self.metrics.observe_tally(model, ranked.tally, blocks, started)
         return ranked.answer
 
@@ -614,7 +618,8 @@ class AdapterState:
             tallies.append(self.metrics.tally(observed))
         # Counting is additive: the answer's tally is its instances' (each resolved once).
         tally = HitTally(tuple(add for t in tallies for add in t.adds), max((t.best for t in tallies), default=0))
-        return _RankAnswered(Answer({tenant: out}, {}), tally, tuple(counted), commit, best_walk)
+        scored_cells = self.metrics.scored_cells(counted)
+        return _RankAnswered(Answer({tenant: out}, {}), tally, scored_cells, commit, best_walk)
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -772,8 +777,15 @@ def _loads_tokens(view: _View) -> Union[_Loads, None]:
     if affinity is None or not affinity.loads.has_figures():
         return None
     book, now = affinity.loads, time.monotonic()
-    tokens = tuple(book.token(plan.streams[0][1], now) for plan in view.rank_plans)
-    return _Loads(tokens, now) if any(token is not None for token in tokens) else None
+    seen = view.loads_seen
+    changes = book.changes  # read first: a change while the tokens are read is seen next time
+    if seen and seen[0] == changes and now < seen[1]:
+        loads: Union[_Loads, None] = seen[2]
+        return loads
+    tokens, until = book.tokens(view.rank_streams, now)
+    loads = _Loads(tokens, now) if any(token is not None for token in tokens) else None
+    view.loads_seen[:] = [changes, until, loads]
+    return loads
 
 
 def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:

@@ -229,3 +229,22 @@ def test_every_instance_hit_is_counted_for_every_remembered_answer() -> None:
     assert 'instance_hit_blocks_total{dp="0",engine_dp_rank="1",instance="vllm-prefill-1",tier="npu"} 15' in text
     assert 'motor_kv_adapter_query_hit_blocks_total{model="m"} 24' in text
     assert 'scored_hit_tokens_total{engine_dp_rank="1",instance="vllm-prefill-1"} 240' in text
+
+
+@pytest.mark.unit
+def test_loads_going_stale_end_the_rank_aware_answer_though_nothing_else_changed() -> None:
+    state, affinity = _state()
+    prompt = list(range(1, 1 + 4 * BS))
+    _store(affinity, URLS[0], 1, prompt, 4, 100)
+    affinity.loads.stale_after_s = 0.2
+    affinity.loads.apply(URLS[0], _report([0.0, 0.0]))
+    keys = sequence_keys(prompt, BS)
+
+    def detail() -> dict:
+        answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread_key(prompt, BS))
+        return answer.body["default"]["vllm-prefill-0"]["dp_detail"]["0"]
+
+    assert "rank_cost" in detail() and "rank_cost" in detail()  # computed, then remembered
+    time.sleep(0.25)  # the figures' age passes stale_after_s: a timer, not a synchronisation
+    assert "rank_cost" not in detail()  # scored by the longest hit again, as without loads
+    assert detail()["engine_dp_rank"] == 1
