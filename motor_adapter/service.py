@@ -77,6 +77,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_MSGPACK_HEADERS = frozenset(MSGPACK_TYPES)
 _ENCODER = msgspec.json.Encoder()
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 
@@ -220,6 +221,9 @@ class _Handlers:
             raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
         if len(raw) > limit:
             raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
+        given = request.headers.get("Content-Type")
+        if given in _MSGPACK_HEADERS:  # the common exact header: no parse of its parameters
+            return raw, True
         return raw, request.content_type in MSGPACK_TYPES
 
     @staticmethod
