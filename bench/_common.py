@@ -109,6 +109,9 @@ TARGETS: tuple[Target, ...] = (
     Target("service", "query_cpu_us", "<=", "noop_cpu_us", factor=1.2),
     Target("service", "query_distinct_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
     Target("service", "query_distinct_cpu_us", "<=", "noop_cpu_us", factor=1.5),
+    # The same bounds while rank loads flow, as in production (issue 33's rank-aware answers).
+    Target("service", "query_loads_cpu_us", "<=", "noop_cpu_us", factor=1.2),
+    Target("service", "query_distinct_loads_cpu_us", "<=", "noop_cpu_us", factor=1.5),
     Target("replay", "ops_per_s", ">=", "baseline_ops_per_s", factor=2.0),
     Target("replay", "find_matches_p99_us", "<=", "baseline_find_matches_p99_us"),
     Target("scale", "lag_p99_ms", "<=", 100.0, where=(("instances", 100),)),

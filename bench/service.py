@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._common import emit, percentile, with_targets  # noqa: E402
+from bench._common import TARGETS, emit, percentile, with_targets  # noqa: E402
 from sglang_kvpub.tools.ports import free_port  # noqa: E402
 
 BS = 128
@@ -327,7 +327,7 @@ async def _serve(args: argparse.Namespace) -> dict[str, Any]:
         stack=f"aiohttp {aiohttp_version()}",
         loadavg_1m=round(os.getloadavg()[0], 2),
     )
-    return with_targets(record)
+    return with_targets(record, [t for t in TARGETS if t.figure in record])  # --phases may leave some out
 
 
 def aiohttp_version() -> str:
