@@ -97,6 +97,7 @@ class _View:
     rank_streams: tuple[str, ...] = ()  # their streams
     loads_seen: list[Any] = dataclasses.field(default_factory=list)  # [book changes, valid until, _Loads]
     by_rank: dict[tuple[Any, ...], _RankAnswered] = dataclasses.field(default_factory=dict)
+    rank_seen: set[int] = dataclasses.field(default_factory=set)  # hashes of by_rank keys seen once
     rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
         default_factory=dict
     )
@@ -519,7 +520,16 @@ class AdapterState:
                     found = (best, affinity.hits_for_keys(keys))
                     _remember(view.rank_hits, id(best), found)
                 ranked = self._rank_answer(view, tenant, block_size, found[1], loads, isl, spread, best)
-                _remember(view.by_rank, key, ranked)
+                # Kept from its second sight on (a doorkeeper of key hashes, as the prompt
+                # cache's): answers that never recur - a new prompt, loads its own commit just
+                # moved - would only churn the memo and the garbage collector.
+                digest = hash(key)
+                if digest in view.rank_seen:
+                    _remember(view.by_rank, key, ranked)
+                else:
+                    if len(view.rank_seen) >= _ANSWERS_MAX:
+                        view.rank_seen.clear()
+                    view.rank_seen.add(digest)
         if ranked.commit is not None:
             # The answer makes Motor pick this instance and its dispatcher this rank: count the
             # prompt's uncached part there until the instance's next report.
