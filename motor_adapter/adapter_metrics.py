@@ -130,6 +130,25 @@ class AdapterMetrics:
             cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
         cell[0] += tokens
 
+    def scored_cells(self, scored: Sequence[tuple[str, int, int]]) -> tuple[tuple[list[float], int], ...]:
+        """:meth:`observe_scored`'s cells for ``(instance, rank, tokens)`` each, resolved once:
+        a caller that sees the same answer again adds them with :meth:`observe_cells`."""
+        out = []
+        for instance, rank, tokens in scored:
+            cell = self._scored_cells.get((instance, rank))
+            if cell is None:
+                if len(self._scored_cells) >= LABELS_MAX:
+                    self._scored_cells.clear()  # only a cache: the counter keeps its series
+                labels = (("engine_dp_rank", str(rank)), ("instance", instance))
+                cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
+            out.append((cell, tokens))
+        return tuple(out)
+
+    @staticmethod
+    def observe_cells(cells: Sequence[tuple[list[float], int]]) -> None:
+        for cell, count in cells:
+            cell[0] += count
+
     def observe_tally(self, model: str, tally: HitTally, blocks: int, started: float) -> None:
         """One query of ``model``: its latency, its ``blocks`` and its hits (a :meth:`tally`)."""
         per_model = self._model_cells.get(model)

@@ -14,8 +14,9 @@ immutable :class:`InstanceLoads`, replaced whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sglang_kvpub import wire
 
@@ -55,8 +56,10 @@ class RankLoadBook:
         # requests between two reports does not all score the same idle rank.
         self._commits: dict[str, dict[int, float]] = {}
         self._committed: dict[str, set[int]] = {}  # prompts committed since the last report
+        self._commit_count: dict[str, int] = {}  # effective commits since the last report
         self._version = 0
         self.reports = 0
+        self.changes = 0  # every report, effective commit and forget: tokens read before it still hold
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -70,8 +73,10 @@ class RankLoadBook:
             prefill[r.dp_rank] = r.prefill_tokens_total
         self._version += 1
         self.reports += 1
+        self.changes += 1
         self._commits.pop(instance, None)  # the new figures include what was committed before them
         self._committed.pop(instance, None)
+        self._commit_count.pop(instance, None)
         self._by_instance[instance] = InstanceLoads(
             time.monotonic() if now is None else now,
             report.ts,
@@ -92,6 +97,35 @@ class RankLoadBook:
         if (time.monotonic() if now is None else now) - found.received > self.stale_after_s:
             return None
         return found
+
+    def has_figures(self) -> bool:
+        """Whether any instance has figures (fresh or stale): without, ``/query`` asks none."""
+        return bool(self._by_instance)
+
+    def token(self, instance: str, now: float) -> tuple[int, int] | None:
+        """What :meth:`get` and :meth:`current` say of ``instance`` at ``now``, as a key: None
+        without fresh figures, else ``(report version, commits since that report)``.  Equal
+        tokens mean equal loads: versions never repeat (every report gets a new one) and the
+        commits since a report only grow, so a remembered answer keyed by it is never stale."""
+        found = self._by_instance.get(instance)
+        if found is None or now - found.received > self.stale_after_s:
+            return None
+        return found.version, self._commit_count.get(instance, 0)
+
+    def tokens(self, instances: Sequence[str], now: float) -> tuple[tuple[tuple[int, int] | None, ...], float]:
+        """:meth:`token` of each of ``instances`` at ``now``, and until when they hold while
+        :attr:`changes` does not move (the first fresh one going stale)."""
+        out: list[tuple[int, int] | None] = []
+        until = math.inf
+        stale_after = self.stale_after_s
+        for instance in instances:
+            found = self._by_instance.get(instance)
+            if found is None or now - found.received > stale_after:
+                out.append(None)
+                continue
+            until = min(until, found.received + stale_after)
+            out.append((found.version, self._commit_count.get(instance, 0)))
+        return tuple(out), until
 
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
@@ -116,10 +150,15 @@ class RankLoadBook:
         seen.add(prompt)
         extra = self._commits.setdefault(instance, {})
         extra[rank] = extra.get(rank, 0.0) + tokens
+        self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
+        self.changes += 1
 
     def forget(self, instance: str) -> None:
         self._by_instance.pop(instance, None)
         self._commits.pop(instance, None)
+        self._committed.pop(instance, None)
+        self._commit_count.pop(instance, None)
+        self.changes += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

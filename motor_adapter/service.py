@@ -77,6 +77,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+_MSGPACK_HEADERS = frozenset(MSGPACK_TYPES)
 _ENCODER = msgspec.json.Encoder()
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
 
@@ -133,22 +134,24 @@ class _PromptCache:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.max_seen = max_seen
-        self._entries: dict[tuple[int, bool], tuple[bytes, _Prompt]] = {}
+        self._entries: dict[int, tuple[bytes, _Prompt]] = {}
         self._bytes = 0
-        self._seen: OrderedDict[tuple[int, bool], None] = OrderedDict()  # digests seen once, oldest first out
+        self._seen: OrderedDict[int, None] = OrderedDict()  # digests seen once, oldest first out
 
     @staticmethod
-    def key(raw: bytes, is_msgpack: bool) -> tuple[int, bool]:
-        return _xxh3_128(raw), is_msgpack
+    def key(raw: bytes, is_msgpack: bool) -> int:
+        """The body's XXH3-128 and its format in one int: no tuple per body (the doorkeeper
+        keeps thousands, and tuples are objects every full garbage collection walks)."""
+        return (_xxh3_128(raw) << 1) | is_msgpack
 
-    def get(self, key: tuple[int, bool], raw: bytes) -> _Prompt | None:
+    def get(self, key: int, raw: bytes) -> _Prompt | None:
         entry = self._entries.pop(key, None)
         if entry is None:
             return None
         self._entries[key] = entry  # most recent last
         return entry[1] if entry[0] == raw else None
 
-    def put(self, key: tuple[int, bool], raw: bytes, prompt: _Prompt) -> None:
+    def put(self, key: int, raw: bytes, prompt: _Prompt) -> None:
         size = _entry_bytes(raw, prompt)
         if size > self.max_bytes // 8:
             return  # one huge body must not flush the cache
@@ -163,7 +166,7 @@ class _PromptCache:
             oldest = next(iter(self._entries))
             self._bytes -= _entry_bytes(*self._entries.pop(oldest))
 
-    def _admit(self, key: tuple[int, bool]) -> bool:
+    def _admit(self, key: int) -> bool:
         """Whether a body not kept yet was seen before; else its digest is remembered."""
         if key in self._seen:
             del self._seen[key]
@@ -220,6 +223,9 @@ class _Handlers:
             raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
         if len(raw) > limit:
             raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
+        given = request.headers.get("Content-Type")
+        if given in _MSGPACK_HEADERS:  # the common exact header: no parse of its parameters
+            return raw, True
         return raw, request.content_type in MSGPACK_TYPES
 
     @staticmethod

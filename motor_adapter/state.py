@@ -19,12 +19,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 from motor_adapter.adapter_metrics import AdapterMetrics, HitTally
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
-from motor_adapter.rank_loads import InstanceLoads
+from motor_adapter.rank_loads import InstanceLoads, RankLoadBook
 from motor_adapter.registration import (
     Registration,
     Unregistration,
@@ -90,6 +90,22 @@ class _View:
     # Whole answers by the index's remembered result they render (by identity: the index
     # hands out the same dict for the same walk ends; the entry keeps it alive).
     by_best: dict[int, _Answered] = dataclasses.field(default_factory=dict)
+    # The rank-aware path (AdapterState._answer_by_rank): its instances, whole answers by
+    # (walk result, isl, spread, loads tokens), per-rank hits by walk result, each instance's
+    # score and entry by what it is a function of.  Each entry keeps its identity-keyed inputs.
+    rank_plans: tuple[_Plan, ...] = ()
+    rank_streams: tuple[str, ...] = ()  # their streams
+    loads_seen: list[Any] = dataclasses.field(default_factory=list)  # [book changes, valid until, _Loads]
+    by_rank: dict[tuple[Any, ...], _RankAnswered] = dataclasses.field(default_factory=dict)
+    rank_seen: set[int] = dataclasses.field(default_factory=set)  # hashes of by_rank keys seen once
+    rank_hits: dict[int, tuple[Mapping[str, Any], Mapping[str, Mapping[int, TierCounts]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    rank_shapes: dict[tuple[Any, ...], _HitsShape] = dataclasses.field(default_factory=dict)
+    rank_scores: dict[tuple[Any, ...], _InstanceScores] = dataclasses.field(default_factory=dict)
+    rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any], HitTally]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -107,6 +123,25 @@ class Answer:
 
 
 _Answered = tuple[Mapping[str, Any], Answer, HitTally]  # the index's result it renders, the answer, its tally
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankAnswered:
+    """A rank-aware answer with what a repeat of it replays: the metrics (its hits' tally, the
+    scored tokens' counter cells) and the commit ``(stream, rank, tokens)`` it makes."""
+
+    answer: Answer
+    tally: HitTally
+    scored: tuple[tuple[list[float], int], ...]
+    commit: Union[tuple[str, int, float], None]
+    best: Union[Mapping[str, Any], None] = None  # the walk result it renders (kept alive: keyed by its id)
+
+
+# Small on purpose: prompts that differ (a new spread key, a commit per answer) fill the memos
+# with entries never asked for again, and thousands of kept answers (nested dicts) made every
+# full garbage collection walk them - 187 us per answer in-process with 4096, against ~50.
+_RANK_MEMO_MAX = 256
+_NO_RANKS: Mapping[int, TierCounts] = {}  # an instance with no hit: one object (memo keys use identities)
 
 
 _VIEWS_MAX = 256  # distinct (model, tenant, block_size) asked for; bounded against odd block sizes
@@ -349,7 +384,12 @@ class AdapterState:
                 self.metrics.missed_registration(model, tenant)
                 raise RequestError(404, "NoIndexer", f"no registration for model {model!r} tenant {tenant!r}")
             entry = self._indexes.get(key)
-            view = _View(regs, entry.affinity if entry else None, _plans(regs, block_size))
+            plans = _plans(regs, block_size)
+            rank_plans = tuple(plan for plan in plans if plan.single and plan.streams)
+            rank_streams = tuple(plan.streams[0][1] for plan in rank_plans)
+            view = _View(
+                regs, entry.affinity if entry else None, plans, rank_plans=rank_plans, rank_streams=rank_streams
+            )
             if len(self._views) >= _VIEWS_MAX:
                 self._views.clear()
             self._views[key] = view
@@ -418,9 +458,10 @@ class AdapterState:
         ``isl`` is the prompt's length (default ``blocks * block_size``), ``spread`` its
         tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
         view = self._view(model, tenant, block_size)
-        if view.affinity is not None and _has_loads(view):
+        loads = _loads_tokens(view)
+        if loads is not None:
             size = isl if isl is not None else blocks * block_size
-            return self._answer_by_rank(view, model, tenant, block_size, keys, blocks, started, size, spread)
+            return self._answer_by_rank(view, model, tenant, block_size, keys, blocks, started, size, spread, loads)
         best, remembered = self._best_ranks(view, keys, block_size)
         done = view.by_best.get(id(best)) if remembered else None
         if done is None or done[0] is not best:
@@ -445,67 +486,134 @@ class AdapterState:
         started: float,
         isl: int,
         spread: int,
+        loads: _Loads,
     ) -> Answer:
         """Every instance scored by the rank that would serve the request - that rank's hit and
         load, ``rank_cost.score_ranks``, the dispatcher's own function - and answered in the
         values Motor's unchanged cost reads (:func:`scoring.motor_values`): ``DP`` for the
         Ascend source's cost, ``GPU`` for 3.0.0b2's largest-GPU rule.  ``dp_detail`` names the
         rank (``scored_rank``; ``engine_dp_rank`` and the tiers: its real hit, None without one;
-        ``rank_load``, ``rank_cost``).  Not remembered:
-        the loads change every report."""
+        ``rank_load``, ``rank_cost``).
+
+        Remembered while only NPU holds blocks, keyed by what the answer is a function of: the
+        index's remembered walk result (by identity: one object per walk ends, a new one when a
+        holding or a worker changes), ``isl``, ``spread`` and each instance's loads token
+        (``loads``, :meth:`RankLoadBook.token`: a new report or a commit changes it).  Each
+        instance's score is remembered alike (its hits, its token, ``isl``, the scan's start),
+        so a query that changes one instance's loads scores only that one again.  The answer's
+        commit (the prompt's uncached tokens to the rank it names) runs on every query."""
+        affinity = view.affinity
+        assert affinity is not None
+        best = affinity.best_for_keys(keys)  # the walk's remembered result, or None (CPU/disk hold blocks)
+        ranked: Union[_RankAnswered, None]
+        if best is None:
+            all_hits = affinity.hits_for_keys(keys)
+            ranked = self._rank_answer(view, tenant, block_size, all_hits, loads, isl, spread, None)
+        else:
+            key = (id(best), isl, spread, loads.tokens)
+            ranked = view.by_rank.get(key)
+            if ranked is None or ranked.best is not best:
+                found = view.rank_hits.get(id(best))
+                if found is None or found[0] is not best:
+                    # The per-rank hits of these walk ends: one walk more (counted by the index)
+                    # when the walk ends first appear, none after.
+                    found = (best, affinity.hits_for_keys(keys))
+                    _remember(view.rank_hits, id(best), found)
+                ranked = self._rank_answer(view, tenant, block_size, found[1], loads, isl, spread, best)
+                # Kept from its second sight on (a doorkeeper of key hashes, as the prompt
+                # cache's): answers that never recur - a new prompt, loads its own commit just
+                # moved - would only churn the memo and the garbage collector.
+                digest = hash(key)
+                if digest in view.rank_seen:
+                    _remember(view.by_rank, key, ranked)
+                else:
+                    if len(view.rank_seen) >= _ANSWERS_MAX:
+                        view.rank_seen.clear()
+                    view.rank_seen.add(digest)
+        if ranked.commit is not None:
+            # The answer makes Motor pick this instance and its dispatcher this rank: count the
+            # prompt's uncached part there until the instance's next report.
+            stream, rank, tokens = ranked.commit
+            affinity.loads.commit(stream, rank, tokens, keys[-1] if keys else spread)
+        self.metrics.observe_cells(ranked.scored)
+        self.metrics.observe_tally(model, ranked.tally, blocks, started)
+        return ranked.answer
+
+    def _rank_answer(
+        self,
+        view: _View,
+        tenant: str,
+        block_size: int,
+        all_hits: Mapping[str, Mapping[int, TierCounts]],
+        loads: _Loads,
+        isl: int,
+        spread: int,
+        best_walk: Union[Mapping[str, Any], None],
+    ) -> _RankAnswered:
+        """:meth:`_answer_by_rank`'s answer, computed; with ``best_walk`` (the walk result it
+        renders), each instance's score and entry come from the view's memos when their inputs
+        were seen (``all_hits``' dicts are then the remembered ones, stable by identity)."""
+        remember = best_walk is not None
         assert view.affinity is not None
         cfg, shape = self.scoring_config(block_size), self.config.query_shape
         params = _cost_params(cfg)
-        all_hits = view.affinity.hits_for_keys(keys)
         book = view.affinity.loads
-        plans = [plan for plan in view.plans if plan.single and plan.streams]
+        plans = view.rank_plans
         scored: list[RankScored] = []
         longest: list[int] = []
-        for plan in plans:
-            ranks = all_hits.get(plan.streams[0][1], {})
-            longest.append(max((h.total_blocks for h in ranks.values()), default=0) * block_size)
-            loads = book.get(plan.streams[0][1])
-            if loads is None or loads.dp_size == 0:  # no load figures: the longest hit, as before
-                found = best_rank(ranks, cfg)
-                hit = found[1] if found else None
-                matched = matched_tokens(hit, cfg, isl)
-                cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
-                scored.append(RankScored(found[0] if found else None, hit, matched, cost))
-                continue
-            size = loads.dp_size
-            now = book.current(loads, plan.streams[0][1])
-            tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
-            chosen = score_ranks(tiers, now, list(range(size)), spread_start(spread, size), isl, params)
-            hit = ranks.get(chosen.rank)
-            scored.append(RankScored(chosen.rank, hit, chosen.matched, chosen.cost, sum(now), chosen.load))
+        for plan, token in zip(plans, loads.tokens, strict=True):
+            stream = plan.streams[0][1]
+            ranks = all_hits.get(stream, _NO_RANKS)
+            score_key = (stream, id(ranks), token, isl)
+            scores = view.rank_scores.get(score_key) if remember else None
+            if scores is None or scores.ranks is not ranks:
+                figures = book.get(stream, loads.now) if token is not None else None
+                size = figures.dp_size if figures is not None else 0
+                shape_key = (stream, id(ranks), size)
+                hits_shape = view.rank_shapes.get(shape_key) if remember else None
+                if hits_shape is None or hits_shape.ranks is not ranks:
+                    hits_shape = _HitsShape(ranks, size, block_size)
+                    if remember:
+                        _remember(view.rank_shapes, shape_key, hits_shape)
+                scores = _InstanceScores(hits_shape, figures, book, stream, isl, cfg, params)
+                if remember:
+                    _remember(view.rank_scores, score_key, scores)
+            scored.append(scores.at(spread))
+            longest.append(scores.longest)
         out: dict[str, dict[str, Any]] = {}
-        observed: list[_Observed] = []
+        tallies: list[HitTally] = []
+        counted: list[tuple[str, int, int]] = []
+        commit: Union[tuple[str, int, float], None] = None
         if scored:
             best = pick_instance(scored, spread)
             dp_values, gpu_values = motor_values(scored, best, cfg, isl)
             top = scored[best]
-            if top.rank is not None and book.get(plans[best].streams[0][1]) is not None:
-                # The answer makes Motor pick this instance and its dispatcher this rank: count
-                # the prompt's uncached part there until the instance's next report.
-                book.commit(plans[best].streams[0][1], top.rank, isl - top.matched, keys[-1] if keys else spread)
+            if top.rank is not None and loads.tokens[best] is not None:
+                commit = (plans[best].streams[0][1], top.rank, isl - top.matched)
             for i, (plan, s) in enumerate(zip(plans, scored, strict=True)):
-                key = plan.keys[0]
-                # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
-                # scored_rank the rank that would serve the request, hit or not.
-                entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
-                entry["scored_rank"] = s.rank
-                entry["rank_cost"] = round(s.cost, 1)
-                entry["rank_load"] = round(s.load, 1)
-                answer = instance_entry({key: entry}, cfg, block_size, shape)
-                answer["longest_matched"] = longest[i]
-                answer["GPU"] = gpu_values[i]
+                entry_key = (plan.instance, id(s), longest[i])
+                rendered = view.rank_entries.get(entry_key) if remember else None
+                if rendered is None or rendered[0] is not s:
+                    own = (
+                        [(plan.instance, plan.keys[0], s.rank, s.hit)]
+                        if s.hit is not None and s.rank is not None
+                        else []
+                    )
+                    entry = _rank_entry(plan, s, longest[i], block_size, cfg, shape)
+                    rendered = (s, entry, self.metrics.tally(own))
+                    if remember:
+                        _remember(view.rank_entries, entry_key, rendered)
+                # What depends on the other instances too (Motor's values), set per answer on a
+                # shallow copy: the remembered entry and its nested dicts are shared, never mutated.
+                entry = dict(rendered[1])
+                entry["GPU"] = gpu_values[i]
                 if shape == "tokens":
-                    answer["DP"] = {key: dp_values[i]}
-                out[plan.instance] = answer
-                if s.hit is not None and s.rank is not None:
-                    observed.append((plan.instance, key, s.rank, s.hit))
+                    entry["DP"] = {plan.keys[0]: dp_values[i]}
+                out[plan.instance] = entry
+                tallies.append(rendered[2])
                 if s.rank is not None and s.matched > 0:
-                    self.metrics.observe_scored(plan.instance, s.rank, s.matched)
+                    counted.append((plan.instance, s.rank, s.matched))
+        observed: list[_Observed] = []
         for plan in view.plans:  # several endpoints per instance: each dp its own stream's best rank
             if plan.instance in out:
                 continue
@@ -516,8 +624,12 @@ class AdapterState:
             entry_out, hits = _instance_answer(plan, tuple(per_stream), block_size, cfg, shape)
             out[plan.instance] = entry_out
             observed.extend(hits)
-        self.metrics.observe_tally(model, self.metrics.tally(observed), blocks, started)
-        return Answer({tenant: out}, {})
+        if observed:
+            tallies.append(self.metrics.tally(observed))
+        # Counting is additive: the answer's tally is its instances' (each resolved once).
+        tally = HitTally(tuple(add for t in tallies for add in t.adds), max((t.best for t in tallies), default=0))
+        scored_cells = self.metrics.scored_cells(counted)
+        return _RankAnswered(Answer({tenant: out}, {}), tally, scored_cells, commit, best_walk)
 
     def _best_ranks(
         self, view: _View, keys: list[int], block_size: int
@@ -660,12 +772,133 @@ class AdapterState:
         return self.metrics.render(self.stream_health(), self.registrations(), self.rank_loads())
 
 
-def _has_loads(view: _View) -> bool:
-    """Whether any single-endpoint instance of the view has fresh rank loads."""
+class _Loads(NamedTuple):
+    """Each single-endpoint instance's loads token (``RankLoadBook.token``, in
+    ``view.rank_plans`` order) read at ``now`` (monotonic)."""
+
+    tokens: tuple[Union[tuple[int, int], None], ...]
+    now: float
+
+
+def _loads_tokens(view: _View) -> Union[_Loads, None]:
+    """The view's :class:`_Loads` when any instance has fresh rank loads, else None (answer by
+    the longest hit)."""
     affinity = view.affinity
-    if affinity is None or not affinity.loads.reports:
-        return False
-    return any(plan.single and plan.streams and affinity.loads.get(plan.streams[0][1]) for plan in view.plans)
+    if affinity is None or not affinity.loads.has_figures():
+        return None
+    book, now = affinity.loads, time.monotonic()
+    seen = view.loads_seen
+    changes = book.changes  # read first: a change while the tokens are read is seen next time
+    if seen and seen[0] == changes and now < seen[1]:
+        loads: Union[_Loads, None] = seen[2]
+        return loads
+    tokens, until = book.tokens(view.rank_streams, now)
+    loads = _Loads(tokens, now) if any(token is not None for token in tokens) else None
+    view.loads_seen[:] = [changes, until, loads]
+    return loads
+
+
+def _remember(memo: dict[Any, Any], key: Any, value: Any) -> None:
+    """``memo[key] = value``, the memo started over past :data:`_RANK_MEMO_MAX` entries."""
+    if len(memo) >= _RANK_MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+
+
+class _HitsShape:
+    """What an instance's scoring needs of its ranks' hits alone (no loads): its longest hit in
+    tokens, each rank's tiers below ``size`` and the ranks to scan - once per hits, not per report."""
+
+    __slots__ = ("longest", "order", "ranks", "tiers")
+
+    def __init__(self, ranks: Mapping[int, TierCounts], size: int, block_size: int) -> None:
+        self.ranks = ranks
+        self.longest = max((h.total_blocks for h in ranks.values()), default=0) * block_size
+        self.tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
+        self.order = list(range(size))
+
+
+class _InstanceScores:
+    """One instance's scores for one prompt length under one loads state, by the scan's start
+    (``rank_cost.spread_start``: ties only).  Without load figures the instance is scored by
+    its longest hit, as before loads existed.  ``longest``: its longest hit in tokens."""
+
+    __slots__ = (
+        "by_choice",
+        "by_start",
+        "isl",
+        "load_sum",
+        "longest",
+        "no_loads",
+        "now",
+        "order",
+        "params",
+        "ranks",
+        "tiers",
+    )
+
+    def __init__(
+        self,
+        shape: _HitsShape,
+        figures: Union[InstanceLoads, None],
+        book: RankLoadBook,
+        stream: str,
+        isl: int,
+        cfg: KvAffinityConfig,
+        params: CostParams,
+    ) -> None:
+        ranks = self.ranks = shape.ranks
+        self.isl = isl
+        self.params = params
+        self.longest = shape.longest
+        self.by_start: dict[int, RankScored] = {}
+        self.by_choice: dict[int, RankScored] = {}  # one object per rank chosen: entries are remembered by it
+        size = figures.dp_size if figures is not None else 0
+        self.no_loads: Union[RankScored, None] = None
+        if figures is None or size == 0:  # no load figures: the longest hit, as before
+            found = best_rank(ranks, cfg)
+            hit = found[1] if found else None
+            matched = matched_tokens(hit, cfg, isl)
+            cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
+            self.no_loads = RankScored(found[0] if found else None, hit, matched, cost)
+            return
+        self.now = book.current(figures, stream)
+        self.load_sum = sum(self.now)
+        self.tiers = shape.tiers  # shared, never mutated (score_ranks reads them)
+        self.order = shape.order
+
+    def at(self, spread: int) -> RankScored:
+        """The instance's :class:`RankScored` for a prompt of tie-break key ``spread``."""
+        if self.no_loads is not None:
+            return self.no_loads
+        start = spread_start(spread, len(self.order))
+        found = self.by_start.get(start)
+        if found is None:
+            chosen = score_ranks(self.tiers, self.now, self.order, start, self.isl, self.params)
+            found = self.by_choice.get(chosen.rank)
+            if found is None:  # the same rank chosen from another start: the same figures
+                hit = self.ranks.get(chosen.rank)
+                found = RankScored(chosen.rank, hit, chosen.matched, chosen.cost, self.load_sum, chosen.load)
+                self.by_choice[chosen.rank] = found
+            self.by_start[start] = found
+        return found
+
+
+def _rank_entry(
+    plan: _Plan, s: RankScored, longest: int, block_size: int, cfg: KvAffinityConfig, shape: str
+) -> dict[str, Any]:
+    """One instance's entry of a rank-aware answer but Motor's values (``GPU``, and ``DP`` in
+    the "tokens" shape), which depend on the other instances (shared: never mutated)."""
+    key = plan.keys[0]
+    # engine_dp_rank names the rank the figures belong to (None: no hit, as before);
+    # scored_rank the rank that would serve the request, hit or not.
+    entry = dp_entry(s.hit, s.rank if s.matched > 0 else None, block_size)
+    entry["scored_rank"] = s.rank
+    entry["rank_cost"] = round(s.cost, 1)
+    entry["rank_load"] = round(s.load, 1)
+    answer = instance_entry({key: entry}, cfg, block_size, shape)
+    answer["longest_matched"] = longest
+    return answer
 
 
 _PARAMS: dict[KvAffinityConfig, CostParams] = {}

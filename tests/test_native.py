@@ -434,6 +434,45 @@ def test_take_token_ids_refuses_bad_ids() -> None:
         NATIVE.take_token_ids(msgpack.packb({"model": "m", "token_ids": [1, 2, -3]}))
 
 
+def _packed_id(rng: random.Random, value: int, forms: str) -> bytes:
+    """``value`` in msgpack, in its shortest form or (``forms="any"``) at random in any
+    integer form wide enough - msgpack allows longer ones, and the decoder must read them."""
+    if forms == "short" or rng.random() < 0.9:
+        return msgpack.packb(value)
+    candidates = [(0xCE, 4), (0xCF, 8), (0xD3, 8)] + ([(0xD2, 4)] if value < 1 << 31 else [])
+    candidates += [(0xCC, 1), (0xD0, 1)] if value < 128 else []
+    candidates += [(0xCD, 2), (0xD1, 2)] if value < 1 << 15 else []
+    tag, size = rng.choice(candidates)
+    return bytes([tag]) + value.to_bytes(size, "big")
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(40))
+def test_long_id_arrays_decode_in_two_chains_as_in_one(seed: int) -> None:
+    """Arrays long enough for the two-chain decoder (u32_run_split, docs/native.md): every
+    mix of forms, ids of any width, other integer forms amid the run, fields after the
+    array; a bad id anywhere is named by its index, a cut array is malformed."""
+    rng = random.Random(seed)
+    count = rng.choice([1023, 1024, 1100, 4096, 6144, 20_000])
+    top = rng.choice([128, 256, 65_536, 150_000, 1 << 32])
+    ids = [rng.randrange(top) if rng.random() < 0.95 else rng.randrange(1 << 32) for _ in range(count)]
+    forms = "short" if seed % 2 else "any"
+    array_bytes = b"\xdd" + count.to_bytes(4, "big") + b"".join(_packed_id(rng, v, forms) for v in ids)
+    body = b"\x83\xa5model\xa1m\xa9token_ids" + array_bytes + b"\xa6tenant\xa5" + b"t" * 5
+    taken, rest = NATIVE.take_token_ids(body)
+    assert array("I", taken).tolist() == ids
+    assert msgpack.unpackb(rest) == {"model": "m", "tenant": "ttttt"}
+    assert array("I", NATIVE.u32_from_msgpack(array_bytes)).tolist() == ids
+    bad = rng.randrange(count)
+    wrong = (
+        b"\xdd" + count.to_bytes(4, "big") + b"".join(msgpack.packb(-1 if i == bad else v) for i, v in enumerate(ids))
+    )
+    with pytest.raises(ValueError, match=rf"token_ids\[{bad}\]"):
+        NATIVE.u32_from_msgpack(wrong)
+    with pytest.raises(ValueError, match="truncated"):
+        NATIVE.u32_from_msgpack(array_bytes[: rng.randrange(6, len(array_bytes))])
+
+
 @needs_native
 def test_u32_from_ints_takes_what_struct_takes() -> None:
     numpy = pytest.importorskip("numpy")

@@ -1026,6 +1026,130 @@ static Py_ssize_t u32_run(const unsigned char **cursor, const unsigned char *sto
     return i;
 }
 
+/* One item of u32_run's forms at `at` (5 bytes readable): its value in *value and its
+ * length, or 0 when it is of another form. */
+static inline Py_ssize_t u32_item(const unsigned char *at, uint32_t *value) {
+    const uint32_t tag = at[0];
+    const uint32_t form = tag - 0xcc;
+    const uint32_t fix = tag < 0x80;
+    if (!fix && form > 2) {
+        return 0;
+    }
+    uint32_t word;
+    memcpy(&word, at + 1, 4);
+    word = (word >> 24) | ((word >> 8) & 0xff00u) | ((word << 8) & 0xff0000u) | (word << 24);
+    const uint32_t bits = fix ? 0 : 8u << form;
+    *value = fix ? tag : (uint32_t)((uint64_t)word >> (32 - bits));
+    return 1 + (bits >> 3);
+}
+
+#define U32_SPLIT_MIN 1024 /* ids: below this one chain (u32_run) does it */
+#define U32_SPLIT_PROBE 64 /* ids decoded alone first, to measure the bytes an id takes */
+#define U32_SPLIT_PRIME 12 /* items a second chain's start must decode in a row */
+
+/* Whether U32_SPLIT_PRIME items of u32_run's forms decode in a row from `at`. */
+static int u32_primes(const unsigned char *at, const unsigned char *stop) {
+    for (int k = 0; k < U32_SPLIT_PRIME; k++) {
+        uint32_t value;
+        const Py_ssize_t len = stop - at >= 5 ? u32_item(at, &value) : 0;
+        if (len == 0) {
+            return 0;
+        }
+        at += len;
+    }
+    return 1;
+}
+
+/* u32_run in two chains at once.  Each item's length depends on its tag, so one chain is a
+ * serial dependency (load a tag, compute its length, add), whatever the core's width.  A
+ * second chain starts near where the second half should begin (the first byte from which
+ * U32_SPLIT_PRIME items decode), decodes speculatively into its own buffer and records where
+ * each of its items starts; the first chain then runs on until it stands where the second
+ * one had an item - from the same byte both decode the same items, so the second chain's
+ * from there on are the array's.  If they never meet, the first chain decodes on alone: the
+ * result is u32_run's exactly, only the time differs. */
+static Py_ssize_t u32_run_split(const unsigned char **cursor, const unsigned char *stop, uint32_t *ids,
+                                Py_ssize_t count) {
+    const unsigned char *base = *cursor;
+    const unsigned char *a = base;
+    Py_ssize_t i = u32_run(&a, stop, ids, count < U32_SPLIT_PROBE ? count : U32_SPLIT_PROBE);
+    const Py_ssize_t rest = count - i;
+    const Py_ssize_t half = rest / 2;
+    uint32_t *b_values = NULL;
+    const unsigned char *b = NULL;
+    /* fixints only (a byte an id): u32_run's branch predicts every length, nothing to gain */
+    if (i == U32_SPLIT_PROBE && count >= U32_SPLIT_MIN && a - base >= 2 * i && stop - base < 0xFFFFFFF0) {
+        const unsigned char *guess = a + (size_t)(a - base) * (size_t)half / (size_t)i; /* item i + half's start? */
+        for (int shift = 0; shift < 16 && guess + shift < stop; shift++) {
+            if (u32_primes(guess + shift, stop)) {
+                b = guess + shift;
+                break;
+            }
+        }
+        if (b != NULL) {
+            b_values = PyMem_Malloc((size_t)(rest - half + U32_SPLIT_PROBE) * 2 * sizeof(uint32_t));
+        }
+    }
+    if (b_values == NULL) { /* too short, no start found (or no memory): one chain */
+        i += u32_run(&a, stop, ids + i, count - i);
+        *cursor = a;
+        return i;
+    }
+    const Py_ssize_t budget = rest - half + U32_SPLIT_PROBE;
+    uint32_t *b_starts = b_values + budget; /* offsets from `base` */
+    const unsigned char *const b_first = b;
+    Py_ssize_t nb = 0;
+    int a_failed = 0;
+    while (i < count && a < b_first && nb < budget && stop - b >= 5) { /* a < b_first: 5 bytes readable */
+        uint32_t value;
+        const Py_ssize_t a_len = u32_item(a, &value);
+        if (a_len == 0) {
+            a_failed = 1;
+            break;
+        }
+        ids[i++] = value;
+        a += a_len;
+        const Py_ssize_t b_len = u32_item(b, &value);
+        if (b_len == 0) {
+            break;
+        }
+        b_values[nb] = value;
+        b_starts[nb++] = (uint32_t)(b - base);
+        b += b_len;
+    }
+    Py_ssize_t j = 0;
+    while (!a_failed && i < count && stop - a >= 5) { /* the first chain on, until it meets the second */
+        const uint32_t at = (uint32_t)(a - base);
+        while (j < nb && b_starts[j] < at) {
+            j++;
+        }
+        if (j >= nb) {
+            break; /* past every item the second chain decoded: on alone */
+        }
+        if (b_starts[j] == at) { /* in step: the second chain's items from j are the array's */
+            Py_ssize_t take = nb - j;
+            if (take > count - i) {
+                take = count - i;
+            }
+            memcpy(ids + i, b_values + j, (size_t)take * sizeof(uint32_t));
+            i += take;
+            a = j + take < nb ? base + b_starts[j + take] : b;
+            break;
+        }
+        uint32_t value;
+        const Py_ssize_t a_len = u32_item(a, &value);
+        if (a_len == 0) {
+            break;
+        }
+        ids[i++] = value;
+        a += a_len;
+    }
+    PyMem_Free(b_values);
+    i += u32_run(&a, stop, ids + i, count - i); /* what the second chain did not reach */
+    *cursor = a;
+    return i;
+}
+
 /* The msgpack array at `at` of integers in [0, 2^32) as little-endian u32 bytes; *end set
  * past the array.  NULL with ValueError naming the first bad item; *truncated set when the
  * array runs past `stop` (malformed msgpack rather than a bad id). */
@@ -1058,7 +1182,7 @@ static PyObject *u32_array(const unsigned char *at, const unsigned char *stop, c
         return NULL;
     }
     uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = u32_run(&at, stop, ids, count); i < count; i++) { /* the rest: tail, other forms */
+    for (Py_ssize_t i = u32_run_split(&at, stop, ids, count); i < count; i++) { /* the rest: tail, other forms */
         uint32_t value = 0;
         const Py_ssize_t taken = at < stop ? msgpack_u32(at, stop, &value) : 0;
         if (taken == 0) {
