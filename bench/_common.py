@@ -117,7 +117,13 @@ TARGETS: tuple[Target, ...] = (
     Target("scale", "lag_p99_ms", "<=", 100.0, where=(("instances", 100),)),
     Target("scale", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3, where=(("instances", 100),)),
     Target("scale", "rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
-    Target("scale", "rss_over_estimate", ">=", 0.8, where=(("instances", 100),)),
+    # After the fill the index's account counts dict tables CPython allocated but has not
+    # touched yet, so RSS may sit below it; after the churn the tables are written through.
+    Target("scale", "steady_rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
+    Target("scale", "steady_rss_over_estimate", ">=", 0.8, where=(("instances", 100),)),
+    Target(
+        "scale", "steady_rss_bytes_per_entry", "<=", "budget_bytes_per_entry", factor=1.2, where=(("instances", 100),)
+    ),
     Target("scale", "rss_bytes_per_entry", "<=", "budget_bytes_per_entry", factor=1.2, where=(("instances", 100),)),
     Target("dispatch", "decision_us_p50", "<=", 50.0),
     Target("dispatch", "decision_us_p99_cold", "<=", 50.0),

@@ -34,6 +34,8 @@ Measured while it ingests, from this (driver) process:
   in the adapter, read through a bench-only route), and per entry against the issue's
   budget of 144 B (entries: (worker, block) pairs held, counted by the generator's model of
   each rank).  Beside it, the same growth split by allocator (bench/memory.py's fields).
+  ``steady_*``: the same figures again after the measurement's churn (every rank's LRU
+  turned over many times), the state an adapter runs in.
 - ``ingest_cpu_pct``: the adapter's whole CPU over the measurement (all threads), and the
   generator's achieved batch rate against the offered one (``generator_keeps_up``).
 
@@ -521,6 +523,9 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
             record["saturated"] = f"RSS over {args.max_rss_gb} GB: the adapter fell behind and queued batches"
             record.update(instances=instances, ranks=instances * RANKS, fill_s=round(fill_s, 1), **memory)
             return record
+        # Again after the measurement's churn (every rank's LRU turned over many times): the
+        # steady state, where CPython's dicts have re-grown over their removed entries.
+        steady = _memory_figures(_http(base + "/bench-memory"), mem_empty, filled["entries"])
         mine.send(("stats",))
         gen = mine.recv()
         generator_cpu_pct = round((gen["cpu_s"] - gen_cpu_before) / (time.monotonic() - run_started) * 100, 1)
@@ -532,6 +537,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
                 "register_all_s": round(registered_s, 2),
                 "fill_s": round(fill_s, 1),
                 **memory,
+                **{f"steady_{k}": steady[k] for k in _STEADY_FIGURES},
                 "rss_mb": round(_rss_bytes(adapter.pid) / 2**20, 1),
                 "offered_batches_per_s": gen["offered_batches_per_s"],
                 "achieved_batches_per_s": gen["achieved_batches_per_s"],
@@ -555,6 +561,9 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             os.killpg(adapter.pid, signal.SIGKILL)
             adapter.wait()
+
+
+_STEADY_FIGURES = ("index_entries", "estimate_bytes_per_entry", "rss_over_estimate", "rss_bytes_per_entry")
 
 
 def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -> dict[str, Any]:
