@@ -26,6 +26,14 @@ One JSON line:
   The wall-clock maximum and the count of slices over 1 ms wall are in the same line
   (``reconcile_slice_wall_ms_max``, ``reconcile_slices_over_1ms_wall``): on a quiet machine
   they equal the CPU figures; on a shared one they show the preemptions.
+  The unified run starts right after the ``gc.collect()`` that frees the legacy 1M-page
+  tree (torch tensors, key arrays, children tables: ~10^5 chunks back to glibc's malloc).
+  That is the state in which a slice once took 2.3 ms (issue 32): glibc defers sorting
+  freed chunks and merging its fast bins to the next request above pymalloc's 512 B, and a
+  slice that made one (a DFS-stack realloc, a 1 KB ``dict.fromkeys`` table) paid for them
+  all - perf samples in ``_int_malloc`` / ``malloc_consolidate``.  Slices now allocate only
+  through pymalloc on the common path (engine/reconcile.py, "Allocation");
+  ``reconcile_slow_slice_cause`` in the line says so.
 - Snapshot: sglang_kvpub.core.residency.RankResidency with 1M resident blocks (16 tokens each,
   chains of 64), snapshot_events + wire.BatchEncoder("map") encoding.
 Run: python bench/residency.py [--quick]
@@ -317,6 +325,11 @@ def main() -> int:
                     "reconcile_slices_over_1ms_wall": sum(r["slices_over_1ms_wall"] for r in runs),
                     "reconcile_slices": sum(r["slices"] for r in runs),
                     "reconcile_slice_budget_ms": SLICE_BUDGET_S * 1e3,
+                    "reconcile_slow_slice_cause": (
+                        "glibc malloc's deferred work (unsorted-bin sorting, fast-bin consolidation) "
+                        "paid by a slice's first request above 512 B after the process freed a tree; "
+                        "slices now allocate through pymalloc only (reserved DFS stack, pre-warmed deques)"
+                    ),
                     "snapshot_block_tokens": 16,
                     "load_avg_1m": round(os.getloadavg()[0], 2),
                     "extrapolated": bool(args.quick),
