@@ -392,12 +392,16 @@ def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
     met = [value is not None and value <= bound for value in added]
     disturbed = [i + 1 for i, value in enumerate(direct) if value is not None and value > DISTURBED_DIRECT_P99_MS]
     missed = [i + 1 for i, ok in enumerate(met) if not ok]
+    ratios = [line["throughput_ratio_vs_direct"] for line in lines]
     return {
-        "bench": "fanin_runs",
+        "bench": "fanin",
+        "summary": "every run",
         "runs": len(lines),
         "runs_met": sum(met),
+        # The worst run's figures, so the per-run targets hold for every run here too.
+        "added_latency_p99_ms": max((v for v in added if v is not None), default=None),
+        "throughput_ratio_vs_direct": min((v for v in ratios if v is not None), default=None),
         "added_latency_p99_ms_per_run": added,
-        "added_latency_p99_ms_max": max((v for v in added if v is not None), default=None),
         "direct_latency_p99_ms_per_run": direct,
         "paired_added_latency_p99_ms_per_run": [
             (line["paired_added_latency_p50_p99_ms"] or [None, None])[1] for line in lines
