@@ -528,6 +528,9 @@ def run_once(args: argparse.Namespace) -> dict[str, Any]:
             "gen2": sum(gen == 2 for gen, _ in pauses),
             "over_0_5ms": sum(ms > 0.5 for _, ms in pauses),
             "max_ms": round(max((ms for _, ms in pauses), default=0.0), 3),
+            "max_ms_by_generation": {
+                str(gen): round(max(ms for g, ms in pauses if g == gen), 3) for gen in sorted({g for g, _ in pauses})
+            },
         },
         "load_avg_1m": round(os.getloadavg()[0], 2),
     }
