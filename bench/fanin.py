@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import sys
@@ -178,7 +179,14 @@ def _read_one(sub: zmq.Socket[bytes], decoder: msgspec.msgpack.Decoder[_Head], a
 
 
 def subscriber(streams: dict[str, list[str]], ready: Any, stop: Any, out: Any) -> None:
-    """Reads every named stream (one SUB each) in one process, alternating between them."""
+    """Reads every named stream (one SUB each) in one process, alternating between them.
+
+    The cyclic GC is off here: the arrival lists grow by one tracked tuple per batch, and a
+    full collection over them (milliseconds) would stall the stamping of both arms at once -
+    noise of the measuring tool, not of either path."""
+    import gc
+
+    gc.disable()
     ctx: zmq.Context[Any] = zmq.Context()
     subs = {name: _sub_socket(ctx, endpoints) for name, endpoints in streams.items()}
     poller = zmq.Poller()
@@ -201,13 +209,31 @@ def subscriber(streams: dict[str, list[str]], ready: Any, stop: Any, out: Any) -
 
 
 def fanin_proc(config: PluginConfig, dp_size: int, channel: str, ready: Any, stop: Any, out: Any) -> None:
+    import gc
+
     from sglang_kvpub.publish.fanin import FanIn
+
+    # (generation, wall ms, CPU ms of the collecting thread) of every cyclic-GC collection:
+    # the wall time holds preemption by other processes, the thread's CPU time does not.
+    pauses: list[tuple[int, float, float]] = []
+    started: list[float] = [0.0, 0.0]
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = time.perf_counter(), time.thread_time()
+        else:
+            wall, cpu = time.perf_counter() - started[0], time.thread_time() - started[1]
+            pauses.append((int(info.get("generation", -1)), wall * 1e3, cpu * 1e3))
 
     fanin = FanIn(config, dp_size, channel_endpoint=channel)
     fanin.start()
+    gc.callbacks.append(on_gc)
     ready.set()
     stop.wait(600)
-    out.put(fanin.stats())
+    gc.callbacks.remove(on_gc)
+    stats = fanin.stats()
+    stats["gc_pauses"] = pauses
+    out.put(stats)
     fanin.stop()
 
 
@@ -340,8 +366,61 @@ def main() -> int:
         default=None,
         help="aa: the latency phase compares two identical direct arms (the method's own floor), not the fan-in",
     )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="whole runs in a row: one JSON line each, then a summary line"
+    )
     args = parser.parse_args()
+    lines = []
+    for index in range(max(1, args.runs)):
+        line = run_once(args)
+        line["run"] = index + 1
+        lines.append(line)
+        print(json.dumps(_with_targets(line)), flush=True)
+    print(json.dumps(_with_targets(summarize(lines))), flush=True)
+    return 0
 
+
+# A run whose direct arm alone (SGLang's own per-rank streams, no fan-in on its path) has a
+# p99 above this was disturbed by the host or its neighbours: the summary names it.
+DISTURBED_DIRECT_P99_MS = 1.0
+
+
+def summarize(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of ``--runs``: how many runs met the added-latency bound, and which runs
+    were disturbed (their direct baseline's own p99 over ``DISTURBED_DIRECT_P99_MS``).  A
+    disturbed run is counted like any other: the summary says so, it does not drop it."""
+    bound = 1.0
+    added = [line["added_latency_p99_ms"] for line in lines]
+    direct = [(line["direct_latency_p50_p99_ms"] or [None, None])[1] for line in lines]
+    met = [value is not None and value <= bound for value in added]
+    disturbed = [i + 1 for i, value in enumerate(direct) if value is not None and value > DISTURBED_DIRECT_P99_MS]
+    missed = [i + 1 for i, ok in enumerate(met) if not ok]
+    ratios = [line["throughput_ratio_vs_direct"] for line in lines]
+    return {
+        "bench": "fanin",
+        "summary": "every run",
+        "runs": len(lines),
+        "runs_met": sum(met),
+        # The worst run's figures, so the per-run targets hold for every run here too.
+        "added_latency_p99_ms": max((v for v in added if v is not None), default=None),
+        "throughput_ratio_vs_direct": min((v for v in ratios if v is not None), default=None),
+        "added_latency_p99_ms_per_run": added,
+        "direct_latency_p99_ms_per_run": direct,
+        "paired_added_latency_p99_ms_per_run": [
+            (line["paired_added_latency_p50_p99_ms"] or [None, None])[1] for line in lines
+        ],
+        "fanin_gc_max_ms_per_run": [line["fanin_gc"]["max_ms"] for line in lines],
+        "load_avg_1m_per_run": [line["load_avg_1m"] for line in lines],
+        "disturbed_runs": disturbed,
+        "disturbed_rule": f"the direct arm's own p99 > {DISTURBED_DIRECT_P99_MS:g} ms "
+        "(the host or its neighbours: no fan-in on that path)",
+        "missed_runs": missed,
+        "missed_runs_disturbed": [i for i in missed if i in disturbed],
+    }
+
+
+def run_once(args: argparse.Namespace) -> dict[str, Any]:
+    """One whole run (fresh processes, sockets and ports): its JSON record."""
     host_stalls = host_stall_probe(args.host_probe_s) if args.host_probe_s > 0 else None
     spawn = mp.get_context("spawn")
     direct_base = free_port_block(args.ranks)
@@ -386,6 +465,7 @@ def main() -> int:
         proc.join(60)
     stop_fanin.set()
     fanin_stats = fanin_out.get(timeout=60)
+    pauses: list[tuple[int, float, float]] = fanin_stats.pop("gc_pauses")
     fanin.join(30)
 
     direct_at = dict(latency["direct"])
@@ -446,9 +526,21 @@ def main() -> int:
         "nice_scope": args.nice_scope,
         "fanin_gaps": sum(r["gaps"] for r in fanin_stats["ranks"].values()),
         "host_stalls": {"probe_s": args.host_probe_s, "per_cpu": host_stalls} if host_stalls else None,
+        "fanin_gc": {
+            "collections": len(pauses),
+            "gen2": sum(gen == 2 for gen, _, _ in pauses),
+            "over_0_5ms": sum(ms > 0.5 for _, ms, _ in pauses),
+            "max_ms": round(max((ms for _, ms, _ in pauses), default=0.0), 3),
+            "max_ms_by_generation": {
+                str(gen): round(max(ms for g, ms, _ in pauses if g == gen), 3)
+                for gen in sorted({g for g, _, _ in pauses})
+            },
+            "cpu_over_0_5ms": sum(cpu > 0.5 for _, _, cpu in pauses),
+            "cpu_max_ms": round(max((cpu for _, _, cpu in pauses), default=0.0), 3),
+        },
+        "load_avg_1m": round(os.getloadavg()[0], 2),
     }
-    print(json.dumps(_with_targets(line)), flush=True)
-    return 0
+    return line
 
 
 def _with_targets(record: dict[str, Any]) -> dict[str, Any]:

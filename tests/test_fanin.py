@@ -460,3 +460,32 @@ def test_default_channel_endpoint_is_private_and_stable(tmp_path: Path, monkeypa
     assert first.startswith("unixpkt://")  # Linux: the Unix SEQPACKET channel
     directory = Path(first[len("unixpkt://") :]).parent
     assert directory.parent == tmp_path and (directory.stat().st_mode & 0o777) == 0o700
+
+
+@pytest.mark.timeout(30)
+def test_first_start_freezes_the_host_objects_once(ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first fan-in start of a process moves the objects alive then to the GC's permanent
+    generation (full collections on the forwarding path skip them); later starts do not
+    freeze again, so objects made since stay collectable."""
+    import gc
+
+    from sglang_kvpub.publish import fanin as fanin_module
+
+    monkeypatch.setattr(fanin_module, "_frozen", [False])
+    gc.unfreeze()
+    marker = [object()]  # alive before the first start: frozen with the rest
+    first = FanIn(PluginConfig(endpoint=free_tcp_endpoint(), bind=True), 1, channel_endpoint="inproc://f1", context=ctx)
+    try:
+        first.start()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0 and marker
+        later = [[object()] for _ in range(100)]  # made after: not frozen by the next start
+        second = FanIn(
+            PluginConfig(endpoint=free_tcp_endpoint(), bind=True), 1, channel_endpoint="inproc://f2", context=ctx
+        )
+        second.start()
+        second.stop()
+        assert gc.get_freeze_count() == frozen and later
+    finally:
+        first.stop()
+        gc.unfreeze()

@@ -120,3 +120,73 @@ def test_scan_resumes_after_events_resize_announced(monkeypatch: pytest.MonkeyPa
     assert rt.tracker(tree).corrections["reconcile_missing_gpu"] == 0
     assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU]
     assert drift(tree) == 0
+
+
+def _with_phantoms(make: Any, count: int) -> tuple[Any, Any, list[int]]:
+    tree = _filled(make)
+    sub = rt.Subscriber()
+    sub.drain(tree)
+    phantoms = [-(i + 10) for i in range(count)]
+    for phantom in phantoms:
+        rt.tracker(tree).announced[MEDIUM_GPU][phantom] = 0
+    return tree, sub, phantoms
+
+
+@pytest.mark.parametrize("make", [rt.unified_tree, rt.legacy_tree])
+def test_walk_stack_never_reallocates_within_its_reserve(make: Any) -> None:
+    """The DFS stack is a list with a bottom reserve: a repair moves it without one realloc
+    (a realloc above pymalloc's 512 B goes to glibc, which may run its deferred free-chunk
+    sorting inside the slice); it ends the repair back at the reserve."""
+    import sys
+
+    import sglang_kvpub.engine.reconcile as rc
+
+    tree, sub, phantoms = _with_phantoms(make, 3)
+    rec = Reconciler(tree, clock=TickClock())
+    allocated = sys.getsizeof(rec._stack), sys.getsizeof(rec._parents)
+    depth = 0
+    rec.step(force=True)
+    while rec.walking:
+        depth = max(depth, len(rec._stack) - rc._STACK_RESERVE)
+        assert (sys.getsizeof(rec._stack), sys.getsizeof(rec._parents)) == allocated
+        rec.step()
+    assert depth > 0  # the walk did use the stack
+    assert len(rec._stack) == len(rec._parents) == rc._STACK_RESERVE
+    sub.drain(tree)
+    assert rt.tracker(tree).corrections["reconcile_stale_gpu"] == len(phantoms)
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU] and drift(tree) == 0
+
+
+def test_walk_past_the_stack_reserve_still_repairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree wider than the reserve: the stack grows past it (a realloc, correct all the same)."""
+    import sglang_kvpub.engine.reconcile as rc
+
+    monkeypatch.setattr(rc, "_STACK_RESERVE", 1)
+    tree, sub, phantoms = _with_phantoms(rt.legacy_tree, 5)
+    missing = rt.tracker(tree).announced[MEDIUM_GPU]
+    forgotten = next(iter(missing))
+    del missing[forgotten]
+    rec = Reconciler(tree, clock=TickClock())
+    rec.run()
+    assert len(rec._stack) == 1
+    sub.drain(tree)
+    corrections = rt.tracker(tree).corrections
+    assert corrections["reconcile_stale_gpu"] == len(phantoms) and corrections["reconcile_missing_gpu"] == 1
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU] and drift(tree) == 0
+
+
+def test_emit_removes_a_hash_listed_twice_once() -> None:
+    """A restarted scan may list a stale hash twice, even within one emit chunk: one removal."""
+    tree, sub, phantoms = _with_phantoms(rt.unified_tree, 2)
+    rec = Reconciler(tree, clock=TickClock())
+    rec.step(force=True)
+    while rec.phase != "emit":
+        rec.step()
+    stale = rec._stale[MEDIUM_GPU]
+    assert sorted(stale) == sorted(phantoms)
+    stale.extend(list(stale))  # each hash twice in the same chunk
+    while rec.walking:
+        rec.step()
+    sub.drain(tree)
+    assert rt.tracker(tree).corrections["reconcile_stale_gpu"] == len(phantoms)
+    assert sub.media()[MEDIUM_GPU] == rt.truth(tree)[MEDIUM_GPU] and drift(tree) == 0

@@ -30,6 +30,17 @@ taken only once the node itself is re-announced, so a store SGLang records meanw
 for a new child always follows its parent's re-announcement (no orphan downstream);
 each chunk re-checks that the node is still attached, unsplit and resident first.
 
+Allocation: a slice allocates only through pymalloc (requests <= 512 B).  Python hands
+larger requests to glibc's malloc, and glibc defers the sorting of freed chunks (its
+unsorted bin, up to 10,000 chunks per call) and the merging of its fast bins
+(``malloc_consolidate``) to the next such request - a request of the reconciler would pay
+for every chunk the scheduler process freed since (a tree's torch tensors, key arrays and
+children tables).  Measured: 0.5-2.3 ms inside one unit of work (a 768 B stack realloc in
+the walk, a 1 KB ``dict.fromkeys`` at the start of the emit), perf samples in
+``_int_malloc``, ``malloc_consolidate`` and ``unlink_chunk``.  So the DFS stack is a list
+with a fixed bottom reserve (no realloc while it moves), the FIFOs are pre-warmed deques,
+and the emit dedupes a chunk in a list.
+
 Why one module over 450 lines: :class:`Reconciler` is one resumable state machine (walk,
 scan, emit, resync) whose cursors live between time-boxed slices; its phases share that
 state and the tracker's epoch marks, so they stay together.
@@ -85,6 +96,13 @@ _SCAN_PER_CHECK = 512  # announced entries examined between clock reads
 _SKIP_PER_CHECK = 1 << 14  # entries skipped (C speed) between clock reads (~0.05 ms)
 _EMIT_PER_CHECK = 32  # stale hashes emitted between clock reads (a 256 chunk took ~0.25 ms)
 _MARGIN = 0.8  # stop at this fraction of the budget: one unit of work (<= ~0.05 ms) may follow
+# No slice asks glibc's malloc for memory on the common path (see "Allocation" in the module
+# docstring): the walk's DFS stack keeps this many bottom entries, so it never shrinks to, or
+# grows from, a small allocation while pages are marked; the FIFOs of missing nodes and stale
+# hashes are deques whose block free list (CPython keeps up to 16 blocks of 64 entries per
+# deque) is filled once, at construction.
+_STACK_RESERVE = 2048
+_DEQUE_RESERVE = 16 * 64
 _MEDIA = (MEDIUM_GPU, MEDIUM_CPU)
 
 _IDLE, _WALK, _SCAN, _EMIT, _RESYNC = "idle", "walk", "scan", "emit", "resync"
@@ -159,8 +177,10 @@ class Reconciler:
         self.epoch = 0
         # Walk: DFS stack of nodes and, in parallel, the parent each was pushed under
         # (a split since then put a new node between them: visit it too).
-        self._stack: list[Any] = []
-        self._parents: list[Any] = []
+        # Both lists start with ``_STACK_RESERVE`` placeholders that stay below the DFS
+        # entries: the stack is empty at that length (see "Allocation" above).
+        self._stack: list[Any] = _reserved_list()
+        self._parents: list[Any] = _reserved_list()
         self._node: Any = None
         self._media: tuple[str, ...] = ()
         self._context: Any = None
@@ -169,14 +189,14 @@ class Reconciler:
         # Deques: pre-order (parents first) kept, freed block by block as they drain.
         self._hasher: _PageHasher | None = None
         self._store: _StoreCursor | None = None
-        self._missing: dict[str, collections.deque[Any]] = {m: collections.deque() for m in _MEDIA}
+        self._missing: dict[str, collections.deque[Any]] = {m: _warm_deque() for m in _MEDIA}
         # Scan / emit.
         self._medium_index = 0
         self._iter: Iterator[tuple[int, int]] | None = None
         self._consumed = 0
         self._skip = 0
         self._removals_base = 0
-        self._stale: dict[str, collections.deque[int]] = {m: collections.deque() for m in _MEDIA}
+        self._stale: dict[str, collections.deque[int]] = {m: _warm_deque() for m in _MEDIA}
         self._resync: _Resync | None = None
         self.walks = 0
         self.slices = 0
@@ -220,8 +240,8 @@ class Reconciler:
         return True
 
     def _reset_walk(self) -> None:
-        self._stack.clear()
-        self._parents.clear()
+        del self._stack[_STACK_RESERVE:]
+        del self._parents[_STACK_RESERVE:]
         self._node = self._context = self._iter = self._store = self._resync = None
         self._skip = 0
         for queue in (*self._missing.values(), *self._stale.values()):
@@ -270,7 +290,7 @@ class Reconciler:
         self.epoch = tracker.epoch
         root = self.tree.root_node
         self._stack.extend(root.children.values())
-        self._parents.extend(itertools.repeat(root, len(self._stack)))
+        self._parents.extend(itertools.repeat(root, len(self._stack) - len(self._parents)))
         self._hasher = _PageHasher(self.tree.kv_events)
         self._node = None
         self.phase = _WALK
@@ -280,7 +300,7 @@ class Reconciler:
         while True:
             if self._node is not None:
                 self._mark_pages()
-            elif self._stack:
+            elif len(self._stack) > _STACK_RESERVE:
                 self._open_next()
             else:
                 self.phase = _SCAN
@@ -414,9 +434,12 @@ class Reconciler:
             marks = tracker.announced[medium]
             stale = self._stale[medium]
             while stale:
-                chunk = [stale.popleft() for _ in range(min(len(stale), _EMIT_PER_CHECK))]
-                # A restarted scan may list a hash twice: dedupe (later chunks re-check marks).
-                still = [h for h in dict.fromkeys(chunk) if marks.get(h, epoch) != epoch]
+                still: list[int] = []  # <= _EMIT_PER_CHECK entries: no allocation above 512 B
+                for _ in range(min(len(stale), _EMIT_PER_CHECK)):
+                    block_hash = stale.popleft()
+                    # A restarted scan may list a hash twice: dedupe (later chunks re-check marks).
+                    if marks.get(block_hash, epoch) != epoch and block_hash not in still:
+                        still.append(block_hash)
                 emit_removed(recorder, tracker, still, medium, f"reconcile_stale_{suffix}")
                 if self.clock() >= deadline:
                     return False
@@ -511,6 +534,23 @@ class _StoreCursor:
         self.page = stop
         self.done = stop >= self.pages
         return out
+
+
+def _reserved_list() -> list[Any]:
+    """``_STACK_RESERVE`` placeholders in an allocation of twice that: pushes up to the same
+    number again and pops back to the placeholders never reallocate (CPython shrinks a list
+    only below half its allocation)."""
+    entries: list[Any] = [None] * (2 * _STACK_RESERVE)
+    del entries[_STACK_RESERVE:]
+    return entries
+
+
+def _warm_deque() -> collections.deque[Any]:
+    """An empty deque whose block free list is full: its first ``_DEQUE_RESERVE`` entries
+    reuse those blocks instead of asking malloc (a block is 528 B, above pymalloc's limit)."""
+    queue: collections.deque[Any] = collections.deque(itertools.repeat(None, _DEQUE_RESERVE))
+    queue.clear()
+    return queue
 
 
 def _is_child(tree: Any, parent: Any, node: Any) -> bool:
