@@ -118,13 +118,16 @@ TARGETS: tuple[Target, ...] = (
     Target("replay", "find_matches_p99_us", "<=", "baseline_find_matches_p99_us"),
     Target("scale", "lag_p99_ms", "<=", 100.0, where=(("instances", 100),)),
     Target("scale", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3, where=(("instances", 100),)),
-    Target("scale", "rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
-    # After the fill the index's account counts dict tables CPython allocated but has not
-    # touched yet, so RSS may sit below it; after the churn the tables are written through.
-    Target("scale", "steady_rss_over_estimate", "<=", 1.2, where=(("instances", 100),)),
-    Target("scale", "steady_rss_over_estimate", ">=", 0.8, where=(("instances", 100),)),
+    # The estimate, 144 B x entries: RSS within 20 % of it once the index runs in
+    # steady churn (every rank's LRU turned over: CPython's dicts re-grown over removed
+    # entries), and not above it by more right after the fill (tables allocated but not yet
+    # all touched, so RSS sits lower there).  The index's own account (stats(), sampled) is
+    # reported beside, not bounded.
     Target(
         "scale", "steady_rss_bytes_per_entry", "<=", "budget_bytes_per_entry", factor=1.2, where=(("instances", 100),)
+    ),
+    Target(
+        "scale", "steady_rss_bytes_per_entry", ">=", "budget_bytes_per_entry", factor=0.8, where=(("instances", 100),)
     ),
     Target("scale", "rss_bytes_per_entry", "<=", "budget_bytes_per_entry", factor=1.2, where=(("instances", 100),)),
     Target("dispatch", "decision_us_p50", "<=", 50.0),

@@ -167,12 +167,8 @@ def _pd_rig_line(
             cold_s.append(cold.seconds)
             holder = cold.served
             rig.wait_for(
-                lambda ids=ids, holder=holder, full=full: (
-                    holder is not None
-                    and int(rig.prefill_hits(ids).get(f"vllm-prefill-{holder[0]}", {}).get("longest_matched", 0))
-                    >= full
-                ),
-                "the adapter's hit on the cold prompt",
+                lambda ids=ids, holder=holder: holder is not None and rig.held_on(ids, *holder),
+                "the adapter's hit on the cold prompt, on its rank",
             )
             for _ in range(args.repeats):
                 hot = rig.complete(prompt, max_tokens=args.max_tokens)

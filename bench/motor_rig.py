@@ -20,13 +20,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import sglang_server
 
 from motor_adapter.tools.motor_coordinator import Coordinator
 
 __all__ = ["MotorRig", "stop_process"]
+
+_Rig = TypeVar("_Rig", bound="MotorRig")
 
 
 class MotorRig:
@@ -48,7 +50,7 @@ class MotorRig:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> MotorRig:
+    def start(self: _Rig) -> _Rig:
         """Every server (a thread each), the adapter and Motor side by side; then :meth:`_register`."""
         began = time.monotonic()
         failures: list[BaseException] = []
@@ -102,7 +104,7 @@ class MotorRig:
         adapter, self._adapter = self._adapter, None
         stop_process(adapter)
 
-    def __enter__(self) -> MotorRig:
+    def __enter__(self: _Rig) -> _Rig:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

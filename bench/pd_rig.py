@@ -371,6 +371,21 @@ class PdRig(motor_rig.MotorRig):
         """The adapter's /query answer per prefill instance id (what Motor will read)."""
         return self.adapter_query(token_ids, self.spec.page_size)
 
+    def held_on(self, token_ids: list[int], instance: int, rank: int | None) -> dict[str, Any] | None:
+        """The instance's answer if it covers every full page of ``token_ids`` and names the
+        holding rank (``rank`` None: any rank), else None.  Each ``/query`` counts the prompt
+        on the rank it scores until the instance's next load report (docs/dispatch.md), so a
+        poll made before the hit arrived can make another rank look cheaper for a moment:
+        waiting until the answer names the holder keeps that load out of the next request's."""
+        full = len(token_ids) // self.spec.page_size * self.spec.page_size
+        entry = self.prefill_hits(token_ids).get(f"vllm-prefill-{instance}")
+        if not entry or int(entry.get("longest_matched", 0)) < full:
+            return None
+        named = entry["dp_detail"]["0"]["engine_dp_rank"]
+        if named is None or (rank is not None and named != rank):
+            return None
+        return dict(entry)
+
 
 def parse_scores(text: str) -> list[PdScore]:
     """Motor's kv_cache_affinity decisions, each with the adapter answer logged before it.

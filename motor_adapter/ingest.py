@@ -33,6 +33,8 @@ from typing import Any, Protocol, Union
 
 import zmq
 
+from sglang_kvpub.core.ratelimit import RateLimitedLog
+
 __all__ = ["IngestReader", "ReaderClient", "shared_reader"]
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,8 @@ class IngestReader:
         self._wake_w.setblocking(False)
         self._poller.register(self._wake_r.fileno(), zmq.POLLIN)
         self.wakes = 0  # poll returns (for the bench and tests)
+        self.handler_errors = 0  # a stream's handler raised (contained, counted, logged rate-limited)
+        self._rlog = RateLimitedLog(log)
 
     # ------------------------------------------------------------------ any thread
 
@@ -162,12 +166,14 @@ class IngestReader:
             while self._wake_r.recv(4096):
                 pass
 
-    @staticmethod
-    def _guard(call: Callable[..., Any], *args: Any) -> bool:
+    def _guard(self, call: Callable[..., Any], *args: Any) -> bool:
         try:
             return bool(call(*args))
-        except Exception:  # one stream's bug must not stop every other stream
-            log.exception("ingest reader: a stream's handler failed")
+        except Exception as exc:  # one stream's bug must not stop every other stream
+            self.handler_errors += 1
+            name = getattr(call, "__qualname__", repr(call))
+            self._rlog.warning(f"handler:{name}", "ingest reader: %s failed: %r", name, exc)
+            log.debug("ingest reader: handler failure", exc_info=True)
             return False
 
 

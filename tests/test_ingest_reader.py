@@ -10,6 +10,7 @@ import pytest
 import zmq
 
 from motor_adapter import stream
+from motor_adapter.ingest import IngestReader
 from motor_adapter.stream import StreamOptions, StreamSubscriber
 from sglang_kvpub import wire
 from sglang_kvpub.core.index import PrefixIndex
@@ -142,3 +143,36 @@ def test_live_buffer_is_bounded_in_bytes() -> None:
     assert [item.seq for item in sub._pending] == [5]
     assert sub.health().dropped_live == 5
     sub.stop()
+
+
+class _Client:
+    """A bare reader client: opens (or fails to), ticks, closes; records what ran."""
+
+    def __init__(self, fail_open: bool = False) -> None:
+        self.fail_open = fail_open
+        self.opened = threading.Event()
+        self.closed = threading.Event()
+
+    def _reader_open(self, reader: Any) -> None:
+        if self.fail_open:
+            raise RuntimeError("open failed on purpose")
+        self.opened.set()
+
+    def _reader_readable(self) -> bool:
+        return False
+
+    def _reader_tick(self, now: float) -> None:
+        pass
+
+    def _reader_close(self) -> None:
+        self.closed.set()
+
+
+def test_a_failing_stream_handler_is_contained_and_counted() -> None:
+    reader = IngestReader()
+    bad, good = _Client(fail_open=True), _Client()
+    assert reader.attach(bad).wait(10)  # the command completes although the open raised
+    assert reader.attach(good).wait(10) and good.opened.is_set()  # the thread still serves others
+    assert reader.handler_errors == 1 and not bad.opened.is_set()
+    assert reader.detach(bad).wait(10) and reader.detach(good).wait(10)
+    assert good.closed.is_set()

@@ -193,20 +193,12 @@ def _wait_for_hit(
     rig: Rig, prompt: str, holder: tuple[int, int] | None, *, instance: int | None = None
 ) -> dict[str, Any]:
     """Polls the adapter until the instance holds every full page of ``prompt`` (on ``holder``'s rank)."""
-    ids, full = _ids(rig, prompt), _full(rig, prompt)
+    ids = _ids(rig, prompt)
     target = holder[0] if holder is not None else instance
+    assert target is not None
 
     def covered() -> dict[str, Any] | None:
-        entry = rig.pd.prefill_hits(ids).get(f"vllm-prefill-{target}")
-        if not entry or int(entry.get("longest_matched", 0)) < full:
-            return None
-        # Each /query counts the prompt on the rank it scores until the instance's next load
-        # report (docs/dispatch.md), so these polls can briefly make another rank the cheaper
-        # one (engine_dp_rank None): wait until the answer names the holding rank.
-        rank = entry["dp_detail"]["0"]["engine_dp_rank"]
-        if rank is None or (holder is not None and rank != holder[1]):
-            return None
-        return dict(entry)
+        return rig.pd.held_on(ids, target, holder[1] if holder is not None else None)
 
     entry: dict[str, Any] = rig.pd.wait_for(covered, "the adapter's hit on the whole prompt", 60)
     return entry
