@@ -319,12 +319,18 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
     return True
 
 
+def _remeasured_runs(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The partial runs merged into the report, oldest first (one dict in older reports)."""
+    again = report.get("remeasured") or []
+    return [again] if isinstance(again, dict) else list(again)
+
+
 def _remeasured_note(report: dict[str, Any]) -> str:
-    again = report.get("remeasured")
-    if not again:
-        return ""
-    names = ", ".join(f"`{name}`" for name in again["benches"])
-    return f"; the {names} rows re-measured by `{again['command']}` on {again['generated']}"
+    notes = []
+    for again in _remeasured_runs(report):
+        names = ", ".join(f"`{name}`" for name in again["benches"])
+        notes.append(f"; the {names} rows re-measured by `{again['command']}` on {again['generated']}")
+    return "".join(notes)
 
 
 def _load_note(report: dict[str, Any]) -> str:
@@ -397,8 +403,9 @@ def _previous(path: Path) -> dict[str, Any] | None:
 
 def _merged(previous: dict[str, Any], report: dict[str, Any], wanted: set[str]) -> dict[str, Any]:
     """A partial run (``--only``) merged into the previous full report: its benches replace
-    those of the same name, the others keep their figures; ``remeasured`` says which and how
-    (``partial`` while the run goes on)."""
+    those of the same name, the others keep their figures; ``remeasured`` lists the partial
+    runs whose figures the report holds, which benches and how (``partial`` while the run
+    goes on)."""
     fresh = {b["name"] for b in report["benches"]}
     benches = []
     for bench in BENCHES:  # BENCHES order; one entry per script and arguments
@@ -407,12 +414,19 @@ def _merged(previous: dict[str, Any], report: dict[str, Any], wanted: set[str]) 
     merged = dict(previous)
     merged["benches"] = benches
     merged["partial"] = report.get("partial", False)
-    merged["remeasured"] = {
-        "benches": sorted(wanted),
-        "command": report["command"],
-        "generated": report["generated"],
-        "machine": report["machine"],
-    }
+    # Every partial run stays named with the benches it still holds the figures of.
+    earlier = [
+        {**run, "benches": [name for name in run["benches"] if name not in wanted]}
+        for run in _remeasured_runs(previous)
+    ]
+    merged["remeasured"] = [run for run in earlier if run["benches"]] + [
+        {
+            "benches": sorted(wanted),
+            "command": report["command"],
+            "generated": report["generated"],
+            "machine": report["machine"],
+        }
+    ]
     return merged
 
 

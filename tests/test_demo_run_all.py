@@ -107,7 +107,13 @@ def test_an_only_run_replaces_its_benches_and_keeps_the_others(tmp_path: Path) -
     assert run_all._previous(tmp_path / "latest.json") == previous
     merged = run_all._merged(previous, fresh, {"routing"})
     assert [(b["name"], b["records"][0]["value"]) for b in merged["benches"]] == [("wire", 1), ("routing", 2)]
-    assert merged["generated"] == "then" and merged["remeasured"]["generated"] == "now"
+    assert merged["generated"] == "then" and [r["generated"] for r in merged["remeasured"]] == ["now"]
+    # A second partial run keeps the first one's note for the benches it did not re-measure.
+    later = {**fresh, "generated": "later", "command": "python bench/run_all.py --only wire --readme",
+             "benches": [bench("wire", 3)]}  # fmt: skip
+    twice = run_all._merged(merged, later, {"wire"})
+    assert [(r["benches"], r["generated"]) for r in twice["remeasured"]] == [(["routing"], "now"), (["wire"], "later")]
+    assert [(b["name"], b["records"][0]["value"]) for b in twice["benches"]] == [("wire", 3), ("routing", 2)]
     readme = tmp_path / "README.md"
     readme.write_text("a\n<!-- bench:start -->\nold\n<!-- bench:end -->\nb\n")
     assert run_all.update_readme(merged, readme)
