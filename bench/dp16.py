@@ -9,10 +9,9 @@ carried; a long prompt sent once and repeated three times (each repeat after the
 idle flush): the repeats on the first request's rank with every full page cached; a
 flush, then seconds until the adapter's index is empty; a ``kill -9`` of the server,
 then seconds until the adapter reports the instance dead.  The assertions of the same
-sequence are ``tests/server/test_server_dp16.py`` (slow).  ~13 GB: run it alone, under the
-shared lock.
+sequence are ``tests/server/test_server_dp16.py`` (slow).  ~13 GB: run it alone on the host.
 
-    flock /work/tools/heavy.lock python bench/dp16.py [--dp-size 16] [--workdir DIR]
+    python bench/dp16.py [--dp-size 16] [--workdir DIR]
 """
 
 from __future__ import annotations
