@@ -42,6 +42,7 @@ from sglang_kvpub.wire import (
     to_i64,
     to_u64,
 )
+from sglang_kvpub.wire.codec import RawStored
 
 __all__ = [
     "RankResidency",
@@ -116,21 +117,9 @@ def _tokens_of(entry: bytes) -> list[int]:
 
 
 # ----------------------------------------------------------------------- fast decode
-# The wire's own event structs, except a store: ``RawStored`` mirrors wire.BlockStored (same
-# tag, fields and defaults) with ``token_ids`` left undecoded msgpack.  Removals and clears
-# decode straight into wire.BlockRemoved / wire.AllBlocksCleared.
-
-
-class RawStored(msgspec.Struct, tag="BlockStored", gc=False):
-    block_hashes: list[int]
-    parent_block_hash: Union[int, None] = None
-    token_ids: msgspec.Raw = msgspec.Raw(b"\x90")
-    block_size: int = 0
-    lora_id: Union[int, None] = None
-    medium: Union[str, None] = None
-    lora_name: Union[str, None] = None
-    cache_salt: Union[str, None] = None
-    session_id: Union[str, None] = None
+# The wire's own event structs, except a store: ``RawStored`` (wire.codec's, shared with the
+# router's stream decoder) mirrors wire.BlockStored with ``token_ids`` left undecoded msgpack.
+# Removals and clears decode straight into wire.BlockRemoved / wire.AllBlocksCleared.
 
 
 RawRemoved = BlockRemoved  # names kept for callers; one struct per event kind

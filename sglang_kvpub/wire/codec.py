@@ -38,6 +38,7 @@ __all__ = [
     "DecodeLimits",
     "DecodeStats",
     "MsgpackIds",
+    "RawStored",
     "BatchDecoder",
     "BatchEncoder",
     "to_u64",
@@ -79,8 +80,9 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 # The tagged-map shape with each store's ``token_ids`` left as msgpack bytes, for decoders
-# given a ``token_ids`` reader (see BatchDecoder): mirrors contract.BlockStored field for field.
-class _RawTokensStored(msgspec.Struct, tag="BlockStored", gc=False):
+# given a ``token_ids`` reader (see BatchDecoder) and the plugin's residency tracker
+# (core.residency): mirrors contract.BlockStored field for field.
+class RawStored(msgspec.Struct, tag="BlockStored", gc=False):
     block_hashes: list[int]
     parent_block_hash: Union[int, None] = None
     token_ids: msgspec.Raw = msgspec.Raw(b"\x90")
@@ -94,7 +96,7 @@ class _RawTokensStored(msgspec.Struct, tag="BlockStored", gc=False):
 
 class _RawTokensBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
-    events: list[Union[_RawTokensStored, BlockRemoved, AllBlocksCleared]]
+    events: list[Union[RawStored, BlockRemoved, AllBlocksCleared]]
     dp_rank: Union[int, None] = None
 
 
@@ -147,7 +149,7 @@ def _from_raw_tokens(raw: _RawTokensBatch, read: TokenReader) -> Union[EventBatc
     """The batch with each store's ids read by ``read``; None when it declines one."""
     events: list[Event] = []
     for item in raw.events:
-        if type(item) is _RawTokensStored:
+        if type(item) is RawStored:
             tokens = read(item.token_ids)
             if tokens is None:
                 return None

@@ -150,6 +150,22 @@ class PluginRig:
             assert time.monotonic() < deadline, f"{what} not reached in {timeout_s:.0f} s\n{self.server.log_tail(30)}"
             time.sleep(0.1)  # polling a condition with a deadline
 
+    def one_stream_carries_every_rank(self, seed: int, dp_size: int, timeout_s: float) -> None:
+        """One prompt of 5 full pages pinned to each rank (``dp_rank``); the ONE instance stream
+        carries every rank's store, tagged, in increasing seq, with no malformed frame."""
+        pinned = {rank: sglang_server.prompt_ids(seed + rank, 5 * self.page + 3) for rank in range(dp_size)}
+        for rank, ids in pinned.items():
+            assert self.server.generate(ids, dp_rank=rank)["meta_info"]["dp_rank"] == rank
+
+        def stored(stream: Any) -> None:
+            checks.check_ranks_in_one_stream(stream, range(dp_size))
+            checks.check_seq_increasing(stream)
+            for rank, ids in pinned.items():
+                assert checks.check_prompt_on_rank(stream, ids, rank, self.page) == 5
+
+        self.recorder.wait_for(stored, timeout=timeout_s)
+        assert self.recorder.errors == 0
+
     def kill9_seen_dead(self, token_ids: list[int], timeout_s: float) -> None:
         """``kill -9`` of the server once the adapter holds ``token_ids``: the adapter marks the
         instance dead (every stream disconnected) and drops its blocks, and logs so."""

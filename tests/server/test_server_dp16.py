@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import e2e_checks as checks
 import pytest
@@ -60,18 +59,7 @@ def test_server_info_says_fanned_in_over_16_ranks(rig: PluginRig) -> None:
 
 
 def test_one_stream_carries_every_rank_that_served(rig: PluginRig) -> None:
-    pinned = {rank: sglang_server.prompt_ids(300 + rank, 5 * PAGE + 3) for rank in range(DP)}
-    for rank, ids in pinned.items():
-        assert rig.server.generate(ids, dp_rank=rank)["meta_info"]["dp_rank"] == rank
-
-    def stored(stream: Any) -> None:
-        checks.check_ranks_in_one_stream(stream, range(DP))
-        checks.check_seq_increasing(stream)
-        for rank, ids in pinned.items():
-            assert checks.check_prompt_on_rank(stream, ids, rank, PAGE) == 5
-
-    rig.recorder.wait_for(stored, timeout=120)
-    assert rig.recorder.errors == 0
+    rig.one_stream_carries_every_rank(300, DP, timeout_s=120)
 
 
 def test_repeats_are_dispatched_to_the_holding_rank(rig: PluginRig) -> None:

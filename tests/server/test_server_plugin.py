@@ -56,18 +56,7 @@ def test_server_info_and_start_line_name_the_tree_core(rig: PluginRig) -> None:
 
 
 def test_a_one_instance_stream_carries_both_ranks_tagged(rig: PluginRig) -> None:
-    pinned = {rank: sglang_server.prompt_ids(100 + rank, 5 * PAGE + 3) for rank in range(DP)}
-    for rank, ids in pinned.items():
-        assert rig.server.generate(ids, dp_rank=rank)["meta_info"]["dp_rank"] == rank
-
-    def stored(stream: Any) -> None:
-        checks.check_ranks_in_one_stream(stream, range(DP))
-        checks.check_seq_increasing(stream)
-        for rank, ids in pinned.items():
-            assert checks.check_prompt_on_rank(stream, ids, rank, PAGE) == 5
-
-    rig.recorder.wait_for(stored, timeout=60)
-    assert rig.recorder.errors == 0
+    rig.one_stream_carries_every_rank(100, DP, timeout_s=60)
     stores = [e for _, b in rig.recorder.snapshot() for e in b.events if isinstance(e, wire.BlockStored)]
     assert stores and all(e.medium == wire.MEDIUM_GPU and e.block_size == PAGE for e in stores)
 
