@@ -122,27 +122,22 @@ class AdapterMetrics:
 
     def observe_scored(self, instance: str, rank: int, tokens: int) -> None:
         """One instance of one ``/query`` answer: ``tokens`` scored as a hit on engine rank ``rank``."""
+        self.scored_cell(instance, rank)[0] += tokens
+
+    def scored_cells(self, scored: Sequence[tuple[str, int, int]]) -> tuple[tuple[list[float], int], ...]:
+        """:meth:`observe_scored`'s cells for ``(instance, rank, tokens)`` each, resolved once:
+        a caller that sees the same answer again adds them with :meth:`observe_cells`."""
+        return tuple((self.scored_cell(instance, rank), tokens) for instance, rank, tokens in scored)
+
+    def scored_cell(self, instance: str, rank: int) -> list[float]:
+        """The live cell of ``scored_tokens`` for ``(instance, rank)`` (its series appears with it)."""
         cell = self._scored_cells.get((instance, rank))
         if cell is None:
             if len(self._scored_cells) >= LABELS_MAX:
                 self._scored_cells.clear()  # only a cache: the counter keeps its series
             labels = (("engine_dp_rank", str(rank)), ("instance", instance))
             cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
-        cell[0] += tokens
-
-    def scored_cells(self, scored: Sequence[tuple[str, int, int]]) -> tuple[tuple[list[float], int], ...]:
-        """:meth:`observe_scored`'s cells for ``(instance, rank, tokens)`` each, resolved once:
-        a caller that sees the same answer again adds them with :meth:`observe_cells`."""
-        out = []
-        for instance, rank, tokens in scored:
-            cell = self._scored_cells.get((instance, rank))
-            if cell is None:
-                if len(self._scored_cells) >= LABELS_MAX:
-                    self._scored_cells.clear()  # only a cache: the counter keeps its series
-                labels = (("engine_dp_rank", str(rank)), ("instance", instance))
-                cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
-            out.append((cell, tokens))
-        return tuple(out)
+        return cell
 
     @staticmethod
     def observe_cells(cells: Sequence[tuple[list[float], int]]) -> None:

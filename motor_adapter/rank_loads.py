@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Union
 
 from sglang_kvpub import wire
 
-__all__ = ["InstanceLoads", "RankLoadBook", "STALE_AFTER_S"]
+__all__ = ["InstanceLoads", "LiveLoads", "RankLoadBook", "STALE_AFTER_S"]
 
 STALE_AFTER_S = 5.0  # the fan-in repeats unchanged figures every heartbeat (1 s by default)
 _COMMITTED_MAX = 65_536  # prompts committed between two reports of one instance (bounded)
@@ -45,12 +47,21 @@ class InstanceLoads:
         return len(self.loads)
 
 
+# One instance's loads as /query scores them, replaced whole on every report and commit (one
+# dict read gives a consistent set): received (monotonic), the token (RankLoadBook.token),
+# the current loads (RankLoadBook.current) and their sum (left to right, as sum()).
+LiveLoads = tuple[float, tuple[int, int], tuple[float, ...], float]
+
+
 class RankLoadBook:
     """The latest :class:`InstanceLoads` per instance id (the index's instance: the stream URL)."""
 
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._by_instance: dict[str, InstanceLoads] = {}
+        self._live: dict[str, LiveLoads] = {}
+        # Writers: subscriber threads (apply) and the HTTP loop (commit, forget); readers take none.
+        self._write = threading.Lock()
         # Tokens committed to a rank by /query answers since the instance's last report (the
         # rank the answer made Motor pick): Motor's own committed-tokens idea, so a burst of
         # requests between two reports does not all score the same idle rank.
@@ -71,23 +82,27 @@ class RankLoadBook:
             requests[r.dp_rank] = r.requests
             cached[r.dp_rank] = r.cached_tokens_total
             prefill[r.dp_rank] = r.prefill_tokens_total
-        self._version += 1
-        self.reports += 1
-        self.changes += 1
-        self._commits.pop(instance, None)  # the new figures include what was committed before them
-        self._committed.pop(instance, None)
-        self._commit_count.pop(instance, None)
-        self._by_instance[instance] = InstanceLoads(
-            time.monotonic() if now is None else now,
-            report.ts,
-            tuple(loads),
-            tuple(requests),
-            tuple(cached),
-            tuple(prefill),
-            dict(report.loads.dispatch),
-            report.loads.period_s,
-            self._version,
-        )
+        received = time.monotonic() if now is None else now
+        current = tuple(loads)
+        with self._write:
+            self._version += 1
+            self.reports += 1
+            self._commits.pop(instance, None)  # the new figures include what was committed before them
+            self._committed.pop(instance, None)
+            self._commit_count.pop(instance, None)
+            self._by_instance[instance] = InstanceLoads(
+                received,
+                report.ts,
+                current,
+                tuple(requests),
+                tuple(cached),
+                tuple(prefill),
+                dict(report.loads.dispatch),
+                report.loads.period_s,
+                self._version,
+            )
+            self._live[instance] = (received, (self._version, 0), current, sum(current))
+            self.changes += 1
 
     def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
         """The instance's figures, or None when it has none or they are stale."""
@@ -127,6 +142,30 @@ class RankLoadBook:
             out.append((found.version, self._commit_count.get(instance, 0)))
         return tuple(out), until
 
+    def live(
+        self, instances: Sequence[str], now: float
+    ) -> tuple[tuple[tuple[int, int] | None, ...], tuple[Union[tuple[tuple[float, ...], float], None], ...], float]:
+        """:meth:`tokens`, and beside each fresh token the instance's current loads and their
+        sum (what :meth:`current` and ``sum`` give): one consistent read per instance."""
+        tokens: list[tuple[int, int] | None] = []
+        loads: list[Union[tuple[tuple[float, ...], float], None]] = []
+        until = math.inf
+        stale_after = self.stale_after_s
+        for instance in instances:
+            found = self._live.get(instance)
+            if found is None or now - found[0] > stale_after:
+                tokens.append(None)
+                loads.append(None)
+                continue
+            until = min(until, found[0] + stale_after)
+            tokens.append(found[1])
+            loads.append((found[2], found[3]))
+        return tuple(tokens), tuple(loads), until
+
+    def live_loads(self) -> Mapping[str, LiveLoads]:
+        """Every instance's :data:`LiveLoads` (read-only: the C renderer reads it in one call)."""
+        return self._live
+
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
         extra = self._commits.get(instance)
@@ -144,21 +183,36 @@ class RankLoadBook:
         committed once: Motor asks once per request."""
         if tokens <= 0:
             return
-        seen = self._committed.setdefault(instance, set())
-        if prompt in seen or len(seen) >= _COMMITTED_MAX:
-            return
-        seen.add(prompt)
-        extra = self._commits.setdefault(instance, {})
-        extra[rank] = extra.get(rank, 0.0) + tokens
-        self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
-        self.changes += 1
+        with self._write:
+            figures = self._by_instance.get(instance)
+            if figures is None:
+                return
+            seen = self._committed.setdefault(instance, set())
+            if prompt in seen or len(seen) >= _COMMITTED_MAX:
+                return
+            seen.add(prompt)
+            extra = self._commits.setdefault(instance, {})
+            extra[rank] = extra.get(rank, 0.0) + tokens
+            count = self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
+            live = self._live.get(instance)
+            if live is not None and live[1][0] == figures.version and rank < len(live[2]):
+                # Only this rank's figure moved: base + its commits, as current() computes it.
+                loads = list(live[2])
+                loads[rank] = figures.loads[rank] + extra[rank]
+                current = tuple(loads)
+            else:
+                current = self.current(figures, instance)
+            self._live[instance] = (figures.received, (figures.version, count), current, sum(current))
+            self.changes += 1
 
     def forget(self, instance: str) -> None:
-        self._by_instance.pop(instance, None)
-        self._commits.pop(instance, None)
-        self._committed.pop(instance, None)
-        self._commit_count.pop(instance, None)
-        self.changes += 1
+        with self._write:
+            self._by_instance.pop(instance, None)
+            self._live.pop(instance, None)
+            self._commits.pop(instance, None)
+            self._committed.pop(instance, None)
+            self._commit_count.pop(instance, None)
+            self.changes += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

@@ -19,8 +19,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, Literal, NamedTuple, Union
 
+import msgspec
+
+from motor_adapter import rank_render
 from motor_adapter.adapter_metrics import AdapterMetrics, HitTally
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.http_contract import RequestError, as_dict, token_ids_of
@@ -48,7 +51,7 @@ from motor_adapter.settings import ServiceConfig
 from sglang_kvpub.core.hashing import chain_hashes, sequence_keys
 from sglang_kvpub.core.rank_cost import CostParams, score_ranks, spread_key, spread_key_of_local, spread_start
 
-__all__ = ["AdapterState", "AffinityFactory", "Answer", "Hits"]
+__all__ = ["JSON_TYPE", "AdapterState", "AffinityFactory", "Answer", "Hits"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,8 @@ _MAX_REGISTRATIONS = 1 << 16  # registration records (cheap, but a flood must no
 _CONFIGS_MAX = 64  # cached scoring configs: block_size comes from the network
 
 AffinityFactory = Callable[[KvAffinityConfig, Union[int, None]], KvAffinity]
+JSON_TYPE = "application/json"  # Answer.encoded's key for the JSON encoding
+_JSON_DECODER = msgspec.json.Decoder()
 Hits = dict[str, dict[int, TierCounts]]
 
 
@@ -106,6 +111,14 @@ class _View:
     rank_entries: dict[tuple[Any, ...], tuple[RankScored, dict[str, Any], HitTally]] = dataclasses.field(
         default_factory=dict
     )
+    # The C renderer's inputs (motor_adapter.rank_render): the view's, None when it does not
+    # render this view; and per walk result, by its identity.
+    rank_static: Union[rank_render.RankStatic, None] = None
+    rank_params: Union[CostParams, None] = None  # the rank cost's constants at this block size
+    rank_tables: dict[int, rank_render.RankTable] = dataclasses.field(default_factory=dict)
+    rank_rendered: dict[tuple[int, int, int], tuple[int, Any, rank_render.Rendered]] = dataclasses.field(
+        default_factory=dict
+    )
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -113,13 +126,26 @@ _Rendered = tuple[dict[str, Any], tuple[_Observed, ...], tuple[Any, ...]]  # ent
 _ANSWERS_MAX = 4096  # rendered entries per view: hit depths x ranks x instances seen; then start over
 
 
-@dataclasses.dataclass(frozen=True)
 class Answer:
     """A ``/query`` answer (``body``) and its encodings by format (``encoded``, filled by
-    the HTTP layer): remembered answers share both, so a repeat encodes nothing."""
+    the HTTP layer): remembered answers share both, so a repeat encodes nothing.  An answer
+    rendered in C (:mod:`motor_adapter.rank_render`) comes as its JSON encoding; its body is
+    decoded from it when first asked for (a msgpack client, ``/explain``, tests).  Never
+    mutate either."""
 
-    body: dict[str, Any]
-    encoded: dict[str, bytes]
+    __slots__ = ("_body", "encoded")
+
+    def __init__(self, body: Union[dict[str, Any], None], encoded: dict[str, bytes]) -> None:
+        if body is None and JSON_TYPE not in encoded:
+            raise ValueError("an Answer needs its body or its JSON encoding")
+        self._body = body
+        self.encoded = encoded
+
+    @property
+    def body(self) -> dict[str, Any]:
+        if self._body is None:
+            self._body = _JSON_DECODER.decode(self.encoded[JSON_TYPE])
+        return self._body
 
 
 _Answered = tuple[Mapping[str, Any], Answer, HitTally]  # the index's result it renders, the answer, its tally
@@ -387,8 +413,22 @@ class AdapterState:
             plans = _plans(regs, block_size)
             rank_plans = tuple(plan for plan in plans if plan.single and plan.streams)
             rank_streams = tuple(plan.streams[0][1] for plan in rank_plans)
+            static = rank_render.static_inputs(
+                tenant,
+                [plan.instance for plan in rank_plans],
+                [plan.keys[0] for plan in rank_plans],
+                rank_streams,
+                len(rank_plans) == len(plans),
+                self.config.query_shape,
+            )
             view = _View(
-                regs, entry.affinity if entry else None, plans, rank_plans=rank_plans, rank_streams=rank_streams
+                regs,
+                entry.affinity if entry else None,
+                plans,
+                rank_plans=rank_plans,
+                rank_streams=rank_streams,
+                rank_static=static,
+                rank_params=_cost_params(self.scoring_config(block_size)),
             )
             if len(self._views) >= _VIEWS_MAX:
                 self._views.clear()
@@ -458,6 +498,21 @@ class AdapterState:
         ``isl`` is the prompt's length (default ``blocks * block_size``), ``spread`` its
         tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
         view = self._view(model, tenant, block_size)
+        affinity = view.affinity
+        if view.rank_static is not None and affinity is not None and affinity.loads.has_figures():
+            best_walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (the reference answers)
+            if best_walk is not None:
+                size = isl if isl is not None else blocks * block_size
+                got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread)
+                if got is not None and got is not False:
+                    json, chosen, commit_rank, commit_tokens, adds, best_blocks, scored, _ = got
+                    if commit_rank is not None:  # as _answer_by_rank's commit
+                        stream = view.rank_streams[chosen]
+                        affinity.loads.commit(stream, commit_rank, commit_tokens, keys[-1] if keys else spread)
+                    self.metrics.observe_cells(scored)
+                    self.metrics.observe_tally(model, HitTally(adds, best_blocks), blocks, started)
+                    return Answer(None, {JSON_TYPE: json})
+                # False: no fresh loads (the longest hit answers); None: the reference renders it
         loads = _loads_tokens(view)
         if loads is not None:
             size = isl if isl is not None else blocks * block_size
@@ -538,6 +593,53 @@ class AdapterState:
         self.metrics.observe_cells(ranked.scored)
         self.metrics.observe_tally(model, ranked.tally, blocks, started)
         return ranked.answer
+
+    def _rank_answer_native(
+        self, view: _View, block_size: int, keys: list[int], best: Mapping[str, Any], isl: int, spread: int
+    ) -> Union[rank_render.Rendered, Literal[False], None]:
+        """The rank-aware answer of walk result ``best`` rendered in C (``rank_render.render``:
+        False without fresh loads, None when it declines, and the reference answers).
+
+        Remembered by (walk result, ``isl``, ``spread``) while the book does not change (its
+        ``changes``: every report, effective commit and forget) and no instance goes stale: a
+        repeated prompt (a retry, several routers asking) is answered again without rendering."""
+        assert view.affinity is not None and view.rank_static is not None and view.rank_params is not None
+        book = view.affinity.loads
+        changes = book.changes  # read first: a change while rendering is seen next time
+        now = time.monotonic()
+        key = (id(best), isl, spread)
+        seen = view.rank_rendered.get(key)
+        if seen is not None and seen[0] == changes and seen[1] is best and now < seen[2][7]:
+            return seen[2]
+        table = view.rank_tables.get(id(best))
+        if table is None or table.best is not best:
+            # The per-rank hits of these walk ends: one walk more when they first appear.
+            all_hits = view.affinity.hits_for_keys(keys)
+            table = rank_render.RankTable(
+                best, all_hits, view.rank_streams, block_size, self._rank_cells(view, block_size)
+            )
+            _remember(view.rank_tables, id(best), table)
+        got = rank_render.render(view.rank_static, table, book, now, isl, spread, view.rank_params)
+        if got:
+            _remember(view.rank_rendered, key, (changes, best, got))
+        return got
+
+    def _rank_cells(
+        self, view: _View, block_size: int
+    ) -> Callable[[rank_render.RankTable, int, int], rank_render.Cells]:
+        """The metrics cells of instance ``i``'s rank ``rank`` in a table, as the reference
+        resolves them for an answer naming that rank: its hit's tiers, and the scored-tokens
+        cell when the hit can score tokens (no series appears before it counts)."""
+        cfg = self.scoring_config(block_size)
+
+        def resolve(table: rank_render.RankTable, i: int, rank: int) -> rank_render.Cells:
+            plan = view.rank_plans[i]
+            hit = table.all_hits[plan.streams[0][1]][rank]
+            adds = self.metrics.tally([(plan.instance, plan.keys[0], rank, hit)]).adds
+            scores = matched_tokens(hit, cfg, 1 << 62) > 0
+            return adds, self.metrics.scored_cell(plan.instance, rank) if scores else None
+
+        return resolve
 
     def _rank_answer(
         self,
@@ -774,10 +876,12 @@ class AdapterState:
 
 class _Loads(NamedTuple):
     """Each single-endpoint instance's loads token (``RankLoadBook.token``, in
-    ``view.rank_plans`` order) read at ``now`` (monotonic)."""
+    ``view.rank_plans`` order) read at ``now`` (monotonic), and beside it its current loads
+    and their sum (``RankLoadBook.live``: None where the token is)."""
 
     tokens: tuple[Union[tuple[int, int], None], ...]
     now: float
+    live: tuple[Union[tuple[tuple[float, ...], float], None], ...] = ()
 
 
 def _loads_tokens(view: _View) -> Union[_Loads, None]:
@@ -792,8 +896,8 @@ def _loads_tokens(view: _View) -> Union[_Loads, None]:
     if seen and seen[0] == changes and now < seen[1]:
         loads: Union[_Loads, None] = seen[2]
         return loads
-    tokens, until = book.tokens(view.rank_streams, now)
-    loads = _Loads(tokens, now) if any(token is not None for token in tokens) else None
+    tokens, live, until = book.live(view.rank_streams, now)
+    loads = _Loads(tokens, now, live) if any(token is not None for token in tokens) else None
     view.loads_seen[:] = [changes, until, loads]
     return loads
 

@@ -80,7 +80,7 @@ def test_a_changed_load_changes_a_remembered_answer() -> None:
     assert first["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] == 3
     assert _ask(state, prompt) is not None  # remembered now
     view = state._view("m", "default", BS)
-    assert view.by_rank, "the answer was not remembered"
+    assert view.by_rank or view.rank_tables, "the answer was not remembered (the reference, or the C renderer's table)"
     affinity.loads.apply(URLS[0], _report([0.0, 0.0, 0.0, 5000.0]))  # the holding rank gets busy
     busy = _ask(state, prompt)
     assert busy["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] != 3

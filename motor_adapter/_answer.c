@@ -1,0 +1,572 @@
+/* The rank-aware /query answer in one C call (docs/native.md, "rank_answer").
+ *
+ * AdapterState._rank_answer (motor_adapter/state.py) is the reference and the fallback: this
+ * computes the same answer for the common shape - every registered instance one fanned-in
+ * stream, the "tokens" answer shape, the NPU tier alone holding blocks - and renders it as
+ * the JSON bytes msgspec writes for the reference's dict.  Per instance: the rank that would
+ * serve the request (rank_cost.score_ranks without the hot-spot guard, which the adapter never
+ * sets), or the longest hit without load figures (scoring.best_rank); then pick_instance,
+ * motor_values and the entry (_rank_entry + Motor's values).  It returns None instead of an
+ * answer whenever a figure would not render exactly as the reference does (a non-finite or
+ * huge float): the caller then runs the reference.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+/* Floats print as "%.1f" of round(x, 1) - what msgspec writes for them - below this. */
+#define EXACT_FLOAT_MAX 1e15
+/* Ints from float rounding (Motor's DP values) stay within this. */
+#define EXACT_INT_MAX 4e18
+
+typedef struct {
+    Py_ssize_t isl;
+    Py_ssize_t block_size;
+    double w_npu, w_cpu, w_disk;
+    double prefill_scale, overlap_credit, load_weight;
+} params_t;
+
+typedef struct {
+    long long rank; /* -1: none */
+    long long npu, cpu, disk;
+    int has_hit;
+    long long matched;
+    double cost, load_estimate, load;
+    int fresh; /* the instance has fresh load figures (the answer commits to it) */
+    double received;
+} scored_t;
+
+/* round(weighted * block_size) capped at isl, as CostParams.matched / scoring.matched_tokens,
+ * into *out; 1 when it is not an exact int (the reference would raise or differ: fall back). */
+static int matched_of(const params_t *p, long long npu, long long cpu, long long disk, long long *out) {
+    const double weighted = (double)npu * p->w_npu + (double)cpu * p->w_cpu + (double)disk * p->w_disk;
+    const double tokens = nearbyint(weighted * (double)p->block_size); /* round half to even, as round() */
+    if (!isfinite(tokens) || tokens < -EXACT_INT_MAX) {
+        return 1;
+    }
+    *out = tokens >= (double)p->isl ? (long long)p->isl : (long long)tokens;
+    return 0;
+}
+
+static double prefill_of(const params_t *p, long long matched) {
+    const double rest = (double)p->isl - p->overlap_credit * (double)matched;
+    return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
+}
+
+/* An instance's hits: bytes of native int64 quads (rank, npu, cpu, disk), one per rank
+ * holding block 0 (RankTable packs them). */
+typedef struct {
+    const long long (*items)[4];
+    Py_ssize_t count;
+} hits_t;
+
+static int hits_of(PyObject *packed, hits_t *out) {
+    if (!PyBytes_Check(packed) || PyBytes_GET_SIZE(packed) % (Py_ssize_t)(4 * sizeof(long long)) != 0) {
+        PyErr_SetString(PyExc_TypeError, "hits are bytes of int64 (rank, npu, cpu, disk) quads");
+        return -1;
+    }
+    out->items = (const long long(*)[4])PyBytes_AS_STRING(packed);
+    out->count = PyBytes_GET_SIZE(packed) / (Py_ssize_t)(4 * sizeof(long long));
+    return 0;
+}
+
+/* scoring.best_rank: the largest weighted hit, then more NPU blocks, more blocks, the lower
+ * rank.  Sets s->rank/-1 and the tiers.  0 on success, -1 with an exception. */
+static void longest_hit(const params_t *p, const hits_t *hits, scored_t *s) {
+    int found = 0;
+    double best_w = 0.0;
+    long long best[4] = {0, 0, 0, 0}, best_total = 0;
+    for (Py_ssize_t j = 0; j < hits->count; j++) {
+        const long long *h = hits->items[j];
+        const double weighted = (double)h[1] * p->w_npu + (double)h[2] * p->w_cpu + (double)h[3] * p->w_disk;
+        if (found && weighted < best_w) {
+            continue;
+        }
+        const long long total = h[1] + h[2] + h[3];
+        if (total <= 0) {
+            continue;
+        }
+        int better = !found || weighted > best_w;
+        if (!better) { /* (npu, total, -rank) > best's, lexicographically */
+            better = h[1] > best[1] || (h[1] == best[1] && (total > best_total || (total == best_total && h[0] < best[0])));
+        }
+        if (better) {
+            found = 1;
+            best_w = weighted;
+            memcpy(best, h, sizeof best);
+            best_total = total;
+        }
+    }
+    s->rank = found ? best[0] : -1;
+    s->has_hit = found;
+    s->npu = best[1];
+    s->cpu = best[2];
+    s->disk = best[3];
+}
+
+/* One instance scored (_InstanceScores.at), `live` its RankLoadBook.live entry (received,
+ * token, loads, sum) or NULL; fresh when received within stale_after of now.  0 on success, 1 to
+ * fall back, -1 with an exception. */
+static int score_instance(const params_t *p, const hits_t *hits, PyObject *live, double now, double stale_after,
+                          uint64_t spread, scored_t *s) {
+    memset(s, 0, sizeof *s);
+    PyObject *values = NULL;
+    Py_ssize_t size = 0;
+    if (live != NULL) {
+        if (!PyTuple_Check(live) || PyTuple_GET_SIZE(live) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(live, 2))) {
+            PyErr_SetString(PyExc_TypeError, "live loads are (received, token, loads tuple, sum)");
+            return -1;
+        }
+        const double received = PyFloat_AsDouble(PyTuple_GET_ITEM(live, 0));
+        if (received == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+        s->fresh = !(now - received > stale_after); /* RankLoadBook.token: stale past stale_after */
+        s->received = received;
+        if (s->fresh) {
+            values = PyTuple_GET_ITEM(live, 2);
+            size = PyTuple_GET_SIZE(values);
+        }
+    }
+    if (size == 0) { /* no figures: the longest hit, as before loads existed */
+        longest_hit(p, hits, s);
+        if (s->has_hit && matched_of(p, s->npu, s->cpu, s->disk, &s->matched) != 0) {
+            return 1;
+        }
+        s->cost = prefill_of(p, s->matched); /* cfg.prefill_load_scale * prefill_cost(matched) */
+        return isfinite(s->cost) ? 0 : 1;
+    }
+    s->load_estimate = PyFloat_AsDouble(PyTuple_GET_ITEM(live, 3));
+    if (s->load_estimate == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    /* Each rank's hit by rank (ranks below size only, as _HitsShape.tiers). */
+    Py_ssize_t stack_index[256];
+    Py_ssize_t *index = size <= 256 ? stack_index : PyMem_Malloc((size_t)size * sizeof(Py_ssize_t));
+    int status = 0;
+    if (index == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t r = 0; r < size; r++) {
+        index[r] = -1;
+    }
+    for (Py_ssize_t j = 0; j < hits->count; j++) {
+        const long long rank = hits->items[j][0];
+        if (rank >= 0 && rank < size) {
+            index[rank] = j;
+        }
+    }
+    const double miss = prefill_of(p, 0);
+    const Py_ssize_t start = (Py_ssize_t)(spread % (uint64_t)size);
+    double best_cost = 0.0, best_load = 0.0;
+    Py_ssize_t best_rank = start;
+    for (Py_ssize_t k = 0; k < size; k++) {
+        const Py_ssize_t r = (start + k) % size;
+        const double load = PyFloat_AsDouble(PyTuple_GET_ITEM(values, r));
+        if (load == -1.0 && PyErr_Occurred()) {
+            status = -1;
+            goto done;
+        }
+        if (!isfinite(load)) {
+            status = 1;
+            goto done;
+        }
+        double prefill = miss;
+        if (index[r] >= 0) {
+            const long long *h = hits->items[index[r]];
+            long long matched = 0;
+            if (matched_of(p, h[1], h[2], h[3], &matched) != 0) {
+                status = 1;
+                goto done;
+            }
+            prefill = prefill_of(p, matched);
+        }
+        const double cost = prefill + p->load_weight * load;
+        if (k == 0 || cost < best_cost) { /* the first among equals from the start, as min() then index() */
+            best_cost = cost;
+            best_rank = r;
+            best_load = load;
+        }
+    }
+    if (!isfinite(best_cost)) {
+        status = 1;
+        goto done;
+    }
+    s->rank = best_rank;
+    s->cost = best_cost;
+    s->load = best_load;
+    if (index[best_rank] >= 0) {
+        const long long *h = hits->items[index[best_rank]];
+        s->has_hit = 1;
+        s->npu = h[1];
+        s->cpu = h[2];
+        s->disk = h[3];
+        if (matched_of(p, h[1], h[2], h[3], &s->matched) != 0) {
+            status = 1;
+        }
+    }
+done:
+    if (index != stack_index) {
+        PyMem_Free(index);
+    }
+    return status;
+}
+
+/* ------------------------------------------------------------------ the JSON text */
+
+typedef struct {
+    char *data;
+    size_t len, cap;
+} text_t;
+
+static int text_room(text_t *t, size_t more) {
+    if (t->len + more <= t->cap) {
+        return 0;
+    }
+    size_t cap = t->cap ? t->cap : 1024;
+    while (cap < t->len + more) {
+        cap *= 2;
+    }
+    char *data = PyMem_Realloc(t->data, cap);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    t->data = data;
+    t->cap = cap;
+    return 0;
+}
+
+static int text_raw(text_t *t, const char *s, size_t n) {
+    if (text_room(t, n) != 0) {
+        return -1;
+    }
+    memcpy(t->data + t->len, s, n);
+    t->len += n;
+    return 0;
+}
+
+#define TEXT_LIT(t, s) text_raw((t), (s), sizeof(s) - 1)
+
+static int text_bytes(text_t *t, PyObject *b) {
+    return text_raw(t, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
+}
+
+static int text_int(text_t *t, long long v) {
+    char buf[24];
+    char *end = buf + sizeof buf, *at = end;
+    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    do {
+        *--at = (char)('0' + u % 10);
+        u /= 10;
+    } while (u);
+    if (v < 0) {
+        *--at = '-';
+    }
+    return text_raw(t, at, (size_t)(end - at));
+}
+
+static int text_rank(text_t *t, long long rank) { return rank < 0 ? TEXT_LIT(t, "null") : text_int(t, rank); }
+
+/* round(v, 1) as msgspec writes it ("%.1f": the correctly rounded one-decimal form, which
+ * round-trips below EXACT_FLOAT_MAX); v checked finite and below it by the caller.  In tenths
+ * by hand, unless v * 10 lies near a half tenth, where its own rounding could decide. */
+static int text_round1(text_t *t, double v) {
+    const double tenths = v * 10.0;
+    const double whole = nearbyint(tenths);
+    if (fabs(v) < 1e11 && fabs(fabs(tenths - trunc(tenths)) - 0.5) > 1e-3) {
+        const long long k = (long long)whole;
+        const unsigned long long u = k < 0 ? 0ULL - (unsigned long long)k : (unsigned long long)k;
+        if ((k < 0 || signbit(v)) && TEXT_LIT(t, "-")) { /* -0.0 and small negatives print "-0.x" */
+            return -1;
+        }
+        char buf[24];
+        char *end = buf + sizeof buf, *at = end;
+        *--at = (char)('0' + u % 10);
+        *--at = '.';
+        unsigned long long ints = u / 10;
+        do {
+            *--at = (char)('0' + ints % 10);
+            ints /= 10;
+        } while (ints);
+        return text_raw(t, at, (size_t)(end - at));
+    }
+    char buf[48];
+    const int n = snprintf(buf, sizeof buf, "%.1f", v);
+    return text_raw(t, buf, (size_t)n);
+}
+
+static int renderable(double v) { return isfinite(v) && fabs(v) < EXACT_FLOAT_MAX; }
+
+/* One instance's entry: "<name>":{...} (the reference's key order). */
+static int text_entry(text_t *t, PyObject *name, PyObject *key, const scored_t *s, long long longest, long long gpu,
+                      long long dp, Py_ssize_t bs) {
+    const long long npu = s->has_hit ? s->npu : 0, cpu = s->has_hit ? s->cpu : 0, disk = s->has_hit ? s->disk : 0;
+    if (text_bytes(t, name) || TEXT_LIT(t, ":{\"longest_matched\":") || text_int(t, longest) ||
+        TEXT_LIT(t, ",\"GPU\":") || text_int(t, gpu) || TEXT_LIT(t, ",\"CPU\":") || text_int(t, cpu * bs) ||
+        TEXT_LIT(t, ",\"DISK\":") || text_int(t, disk * bs) || TEXT_LIT(t, ",\"DP\":{") || text_bytes(t, key) ||
+        TEXT_LIT(t, ":") || text_int(t, dp) || TEXT_LIT(t, "},\"dp_detail\":{") || text_bytes(t, key) ||
+        TEXT_LIT(t, ":{\"matched_tokens\":") || text_int(t, (npu + cpu + disk) * bs) ||
+        TEXT_LIT(t, ",\"npu_blocks\":") || text_int(t, npu) || TEXT_LIT(t, ",\"cpu_blocks\":") || text_int(t, cpu) ||
+        TEXT_LIT(t, ",\"disk_blocks\":") || text_int(t, disk) || TEXT_LIT(t, ",\"engine_dp_rank\":") ||
+        text_rank(t, s->matched > 0 ? s->rank : -1) || TEXT_LIT(t, ",\"scored_rank\":") || text_rank(t, s->rank) ||
+        TEXT_LIT(t, ",\"rank_cost\":") || text_round1(t, s->cost) || TEXT_LIT(t, ",\"rank_load\":") ||
+        text_round1(t, s->load) || TEXT_LIT(t, "}}}")) {
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ metrics cells */
+
+/* The (tally adds, scored cell) of instance i's rank: from cells[i], else resolve(i, rank). */
+static PyObject *cells_of(PyObject *cells, PyObject *resolve, Py_ssize_t i, long long rank) {
+    PyObject *per = PyTuple_GET_ITEM(cells, i);
+    PyObject *key = PyLong_FromLongLong(rank);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *found = PyDict_GetItemWithError(per, key); /* borrowed */
+    if (found == NULL && !PyErr_Occurred()) {
+        found = PyObject_CallFunction(resolve, "nL", i, rank); /* new */
+        if (found != NULL && PyDict_SetItem(per, key, found) != 0) {
+            Py_CLEAR(found);
+        }
+        Py_XDECREF(found); /* the dict holds it now */
+    }
+    Py_DECREF(key);
+    if (found != NULL && (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 2 ||
+                          !PyTuple_Check(PyTuple_GET_ITEM(found, 0)))) {
+        PyErr_SetString(PyExc_TypeError, "resolve(i, rank) must give (tally adds tuple, scored cell)");
+        return NULL;
+    }
+    return found; /* borrowed from the dict */
+}
+
+/* rank_answer(tenant, names, keys, streams, hits, longest, live, now, stale_after, isl, spread,
+ *             block_size, (w_npu, w_cpu, w_disk), prefill_scale, overlap_credit, load_weight,
+ *             cells, resolve)
+ *   -> False | None | (json, best, commit_rank | None, commit_tokens, adds, best_blocks, scored, until)
+ *
+ * tenant, names[i], keys[i]: JSON-encoded strings (bytes); streams[i]: instance i's stream
+ * (its key in `live`, RankLoadBook's live loads: received, token, loads, sum); hits[i]: bytes
+ * of int64 (rank, npu, cpu, disk) of its ranks holding block 0; longest[i]: its longest hit in
+ * tokens; cells[i]: a dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a
+ * miss; until: when the first fresh instance goes stale (the answer holds while the book does
+ * not change until then).  False: no instance has fresh loads (answer by the longest hit);
+ * None: fall back. */
+static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tenant, *names, *keys, *streams, *hits, *longest, *live, *spread_obj, *cells, *resolve;
+    double now, stale_after;
+    params_t p;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!ddnOn(ddd)dddO!O", &PyBytes_Type, &tenant, &PyTuple_Type, &names,
+                          &PyTuple_Type, &keys, &PyTuple_Type, &streams, &PyTuple_Type, &hits, &PyTuple_Type,
+                          &longest, &PyDict_Type, &live, &now, &stale_after, &p.isl, &spread_obj, &p.block_size,
+                          &p.w_npu, &p.w_cpu, &p.w_disk, &p.prefill_scale, &p.overlap_credit, &p.load_weight,
+                          &PyTuple_Type, &cells, &resolve)) {
+        return NULL;
+    }
+    const Py_ssize_t n = PyTuple_GET_SIZE(names);
+    if (n == 0 || PyTuple_GET_SIZE(keys) != n || PyTuple_GET_SIZE(streams) != n || PyTuple_GET_SIZE(hits) != n ||
+        PyTuple_GET_SIZE(longest) != n || PyTuple_GET_SIZE(cells) != n) {
+        PyErr_SetString(PyExc_ValueError, "rank_answer needs one name, key, stream, hits, longest and cells per instance");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(PyTuple_GET_ITEM(names, i)) || !PyBytes_Check(PyTuple_GET_ITEM(keys, i)) ||
+            !PyDict_Check(PyTuple_GET_ITEM(cells, i))) {
+            PyErr_SetString(PyExc_TypeError, "names and keys are bytes, cells dicts");
+            return NULL;
+        }
+    }
+    const uint64_t spread = PyLong_AsUnsignedLongLongMask(spread_obj);
+    if (spread == (uint64_t)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    scored_t stack_scored[64];
+    scored_t *scored = n <= 64 ? stack_scored : PyMem_Malloc((size_t)n * sizeof(scored_t));
+    long long *values = PyMem_Malloc((size_t)n * 3 * sizeof(long long)); /* gpu, dp, longest */
+    text_t text = {NULL, 0, 0};
+    PyObject *out = NULL, *adds = NULL, *scored_cells = NULL;
+    if (scored == NULL || values == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    long long *gpu = values, *dp = values + n, *longest_tokens = values + 2 * n;
+    int any_fresh = 0;
+    double until = INFINITY; /* when the first fresh instance goes stale: the answer holds until then */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        longest_tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(longest, i));
+        if (longest_tokens[i] == -1 && PyErr_Occurred()) {
+            goto fail;
+        }
+        hits_t instance_hits;
+        if (hits_of(PyTuple_GET_ITEM(hits, i), &instance_hits) != 0) {
+            goto fail;
+        }
+        PyObject *loads = PyDict_GetItemWithError(live, PyTuple_GET_ITEM(streams, i)); /* borrowed */
+        if (loads == NULL && PyErr_Occurred()) {
+            goto fail;
+        }
+        const int status = score_instance(&p, &instance_hits, loads, now, stale_after, spread, &scored[i]);
+        if (status < 0) {
+            goto fail;
+        }
+        if (status > 0 || !renderable(scored[i].cost) || !renderable(scored[i].load) ||
+            !isfinite(scored[i].load_estimate)) {
+            goto fall_back;
+        }
+        any_fresh |= scored[i].fresh;
+        if (scored[i].fresh && scored[i].received + stale_after < until) {
+            until = scored[i].received + stale_after;
+        }
+    }
+    if (!any_fresh) {
+        out = Py_NewRef(Py_False);
+        goto fail;
+    }
+    /* pick_instance: the lowest cost; equal costs go to the one `spread` names among them. */
+    double low = scored[0].cost;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        if (scored[i].cost < low) {
+            low = scored[i].cost;
+        }
+    }
+    Py_ssize_t tied = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        tied += scored[i].cost == low;
+    }
+    Py_ssize_t pick = (Py_ssize_t)(spread % (uint64_t)tied), best = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (scored[i].cost == low && pick-- == 0) {
+            best = i;
+            break;
+        }
+    }
+    /* motor_values */
+    const scored_t *top = &scored[best];
+    const long long gpu_best = n > 1 && p.isl > 0 ? (top->matched > 1 ? top->matched : 1) : top->matched;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = scored[i].matched < gpu_best - 1 ? scored[i].matched : gpu_best - 1;
+        gpu[i] = i == best ? gpu_best : (v > 0 ? v : 0);
+    }
+    const double scale = p.prefill_scale * p.overlap_credit;
+    if (scale <= 0.0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            dp[i] = scored[i].matched < p.isl ? scored[i].matched : (long long)p.isl;
+        }
+    } else {
+        const double t_best = top->cost - p.load_weight * top->load_estimate;
+        const double anchor = (double)(top->matched < p.isl ? top->matched : (long long)p.isl);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const double target = scored[i].cost - p.load_weight * scored[i].load_estimate;
+            double v = anchor - (target - t_best) / scale;
+            if (!(v < (double)p.isl) && !isnan(v)) { /* min(v, float(isl)): v unless isl is smaller */
+                v = (double)p.isl;
+            }
+            v = nearbyint(v);
+            if (!isfinite(v) || fabs(v) > EXACT_INT_MAX) {
+                goto fall_back;
+            }
+            dp[i] = (long long)v;
+        }
+        dp[best] = (long long)nearbyint(anchor);
+    }
+    /* The text: {"<tenant>":{<entries>}} */
+    if (text_room(&text, (size_t)n * 512 + 64) || TEXT_LIT(&text, "{") || text_bytes(&text, tenant) ||
+        TEXT_LIT(&text, ":{")) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if ((i && TEXT_LIT(&text, ",")) || text_entry(&text, PyTuple_GET_ITEM(names, i), PyTuple_GET_ITEM(keys, i),
+                                                      &scored[i], longest_tokens[i], gpu[i], dp[i], p.block_size)) {
+            goto fail;
+        }
+    }
+    if (TEXT_LIT(&text, "}}")) {
+        goto fail;
+    }
+    /* The metrics: each instance's own hit on its scored rank, and the tokens scored as hits. */
+    adds = PyList_New(0);
+    scored_cells = PyList_New(0);
+    if (adds == NULL || scored_cells == NULL) {
+        goto fail;
+    }
+    long long best_blocks = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const scored_t *s = &scored[i];
+        if (s->rank < 0 || !s->has_hit) { /* matched > 0 needs a hit */
+            continue;
+        }
+        PyObject *found = cells_of(cells, resolve, i, s->rank);
+        if (found == NULL) {
+            goto fail;
+        }
+        if (s->has_hit) {
+            PyObject *own = PyTuple_GET_ITEM(found, 0);
+            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(own); k++) {
+                if (PyList_Append(adds, PyTuple_GET_ITEM(own, k)) != 0) {
+                    goto fail;
+                }
+            }
+            const long long total = s->npu + s->cpu + s->disk;
+            best_blocks = total > best_blocks ? total : best_blocks;
+        }
+        if (s->matched > 0 && PyTuple_GET_ITEM(found, 1) != Py_None) {
+            PyObject *pair = Py_BuildValue("(OL)", PyTuple_GET_ITEM(found, 1), s->matched);
+            if (pair == NULL || PyList_Append(scored_cells, pair) != 0) {
+                Py_XDECREF(pair);
+                goto fail;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    PyObject *json = PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len);
+    PyObject *adds_tuple = json ? PyList_AsTuple(adds) : NULL;
+    PyObject *scored_tuple = adds_tuple ? PyList_AsTuple(scored_cells) : NULL;
+    if (scored_tuple != NULL) {
+        if (top->rank >= 0 && top->fresh) {
+            out = Py_BuildValue("(NnLLNLNd)", json, best, top->rank, (long long)p.isl - top->matched, adds_tuple,
+                                best_blocks, scored_tuple, until);
+        } else {
+            out = Py_BuildValue("(NnOLNLNd)", json, best, Py_None, (long long)p.isl - top->matched, adds_tuple,
+                                best_blocks, scored_tuple, until);
+        }
+    } else {
+        Py_XDECREF(json);
+        Py_XDECREF(adds_tuple);
+    }
+    goto fail; /* the common exit: out is set on success */
+fall_back:
+    out = Py_NewRef(Py_None);
+fail:
+    Py_XDECREF(adds);
+    Py_XDECREF(scored_cells);
+    PyMem_Free(text.data);
+    PyMem_Free(values);
+    if (scored != stack_scored) {
+        PyMem_Free(scored);
+    }
+    return out;
+}
+
+static PyMethodDef answer_methods[] = {
+    {"rank_answer", answer_rank_answer, METH_VARARGS,
+     "rank_answer(tenant, names, keys, streams, hits, longest, live, now, stale_after, isl, spread, block_size, "
+     "weights, prefill_scale, overlap_credit, load_weight, cells, resolve) -> False | None | (json, best, "
+     "commit_rank, commit_tokens, adds, best_blocks, scored, until): the rank-aware /query answer (see _answer.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef answer_module = {
+    PyModuleDef_HEAD_INIT, "_answer", "The rank-aware /query answer in C (motor_adapter.state is the reference).",
+    -1, answer_methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__answer(void) { return PyModule_Create(&answer_module); }

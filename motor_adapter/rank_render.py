@@ -1,0 +1,146 @@
+"""The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``, docs/native.md).
+
+``AdapterState._rank_answer`` is the reference: per instance the rank that would serve the
+request, Motor's values, the entry, rendered as a dict and encoded.  For the common shape -
+every registered instance one fanned-in stream, the "tokens" answer shape, the NPU tier
+alone holding blocks - the C helper computes the same answer in one call and writes the
+JSON bytes msgspec would write for that dict, so a new prompt's answer costs no Python per
+instance.  This module builds its inputs: once per view (the instances' JSON names) and
+once per walk result (each instance's hits as tuples, and the metrics cells of the ranks
+answers name, resolved on first use).  When the helper is not built, ``KVPUB_NATIVE=0`` is
+set, or it declines an answer (a figure that would not render exactly), the reference runs.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Union
+
+import msgspec
+
+from motor_adapter.rank_loads import RankLoadBook
+from sglang_kvpub.core.rank_cost import CostParams
+from sglang_kvpub.core.tiers import TierHit
+
+__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "static_inputs"]
+
+
+def _load() -> Any:
+    if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
+        return None
+    try:
+        from motor_adapter import _answer  # type: ignore[attr-defined]
+    except ImportError:  # not built (no C compiler at install): the reference answers
+        return None
+    return _answer
+
+
+NATIVE: Any = _load()
+
+# (adds of the instance-hit counters, the scored-tokens counter cell or None) of one rank
+Cells = tuple[tuple[tuple[list[float], int], ...], Union[list[float], None]]
+
+
+class RankStatic(NamedTuple):
+    """A view's part of the inputs: the tenant and each instance's name and dp key, JSON-encoded."""
+
+    tenant: bytes
+    names: tuple[bytes, ...]
+    keys: tuple[bytes, ...]
+    streams: tuple[str, ...]  # each instance's stream: its key in RankLoadBook's live loads
+
+
+Adds = tuple[tuple[list[float], int], ...]  # (counter cell, count) pairs, as HitTally.adds
+# The helper's answer, a plain tuple (no object more per answer): its JSON, the index of the
+# instance it makes Motor pick, the commit (rank or None, tokens), its metrics (the
+# instance-hit adds, the best hit's blocks, the scored-token cells), and until when it holds
+# while the book does not change (monotonic: the first fresh instance going stale).
+Rendered = tuple[bytes, int, Union[int, None], int, Adds, int, Adds, float]
+
+
+def static_inputs(
+    tenant: str,
+    instances: Sequence[str],
+    dp_keys: Sequence[str],
+    streams: Sequence[str],
+    every_instance: bool,
+    shape: str,
+) -> Union[RankStatic, None]:
+    """The view's inputs, or None when the helper does not render this view's answers: not
+    built, another answer shape, or an instance the rank-aware path does not list (several
+    endpoints, or none at this block size: the reference renders those)."""
+    if NATIVE is None or shape != "tokens" or not every_instance or not instances:
+        return None
+    encode = msgspec.json.encode
+    names = tuple(encode(i) for i in instances)
+    return RankStatic(encode(tenant), names, tuple(encode(k) for k in dp_keys), tuple(streams))
+
+
+class RankTable:
+    """One walk result's part of the inputs (remembered per view by the result's identity):
+    each instance's ``(rank, npu, cpu, disk)`` hits (int64 bytes), its longest hit in tokens, and the metrics
+    cells of its ranks (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
+
+    __slots__ = ("all_hits", "best", "cells", "hits", "longest", "resolve")
+
+    def __init__(
+        self,
+        best: Mapping[str, Any],
+        all_hits: Mapping[str, Mapping[int, TierHit]],
+        streams: Sequence[str],
+        block_size: int,
+        resolve: Callable[[RankTable, int, int], Cells],
+    ) -> None:
+        self.best = best  # kept alive: the table is remembered by its id
+        self.all_hits = all_hits
+        per_stream = [all_hits.get(stream, {}) for stream in streams]
+        self.hits = tuple(
+            array(
+                "q", [x for rank, h in ranks.items() for x in (rank, h.npu_blocks, h.cpu_blocks, h.disk_blocks)]
+            ).tobytes()
+            for ranks in per_stream
+        )
+        self.longest = tuple(
+            max((h.total_blocks for h in ranks.values()), default=0) * block_size for ranks in per_stream
+        )
+        self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in streams)
+        self.resolve = lambda i, rank: resolve(self, i, rank)
+
+
+def render(
+    static: RankStatic,
+    table: RankTable,
+    book: RankLoadBook,
+    now: float,
+    isl: int,
+    spread: int,
+    params: CostParams,
+) -> Union[Rendered, Literal[False], None]:
+    """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens and tie-break key
+    ``spread`` under each instance's loads in ``book`` at ``now`` (monotonic); False when no
+    instance has fresh loads (answer by the longest hit); None: run the reference."""
+    if params.hotspot_spread is not None or params.hotspot_relative is not None:
+        return None  # the helper has no hot-spot guard (the adapter never sets one)
+    got = NATIVE.rank_answer(
+        static.tenant,
+        static.names,
+        static.keys,
+        static.streams,
+        table.hits,
+        table.longest,
+        book.live_loads(),
+        now,
+        book.stale_after_s,
+        isl,
+        spread,
+        params.block_size,
+        (params.w_npu, params.w_cpu, params.w_disk),
+        params.prefill_load_scale,
+        params.overlap_credit,
+        params.load_weight,
+        table.cells,
+        table.resolve,
+    )
+    return got

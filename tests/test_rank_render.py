@@ -1,0 +1,170 @@
+"""The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``) against its
+reference, ``AdapterState._rank_answer`` in Python: the same JSON bytes, the same commits,
+the same metrics, through random indexes, loads, weights and prompts."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import msgspec
+import pytest
+
+from motor_adapter import rank_render
+from motor_adapter import state as state_module
+from motor_adapter.affinity import KvAffinity, NoSubscriber
+from motor_adapter.registration import parse_registration
+from motor_adapter.scoring import KvAffinityConfig
+from motor_adapter.settings import ServiceConfig
+from motor_adapter.state import JSON_TYPE, AdapterState
+from sglang_kvpub import wire
+from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.core.rank_cost import spread_key
+
+BS = 16
+CODEC = wire.LoadReportCodec()
+needs_native = pytest.mark.skipif(rank_render.NATIVE is None, reason="the C renderer is not built (or KVPUB_NATIVE=0)")
+
+
+def _url(i: int) -> str:
+    return f"tcp://127.0.0.{i + 1}:5557"
+
+
+def _report(loads: list[float]) -> wire.LoadReport:
+    figures = wire.RankLoads([wire.RankLoad(r, v, 1) for r, v in enumerate(loads)], {}, 0.1)
+    report = CODEC.decode(CODEC.encode(1.0, figures))
+    assert report is not None
+    return report
+
+
+def _state(instances: int, cfg: KvAffinityConfig, names: list[str]) -> tuple[AdapterState, KvAffinity]:
+    state = AdapterState(
+        ServiceConfig(kv_affinity=cfg),
+        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
+    )
+    for i in range(instances):
+        body = {"instance_id": names[i], "endpoint": _url(i), "type": "vLLM", "dp_rank": 0}
+        state.register(parse_registration({**body, "modelname": "m", "block_size": BS}))
+    affinity = state.affinity("m", "default", BS)
+    assert affinity is not None
+    return state, affinity
+
+
+def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[str]]:
+    """One random run through ``answer_keys``: each answer's JSON bytes (the C renderer's own,
+    or msgspec's of the reference's body) and the metrics' lines (timings aside)."""
+    monkeypatch.setattr(rank_render, "NATIVE", rank_render.NATIVE if native else None)
+    rng = random.Random(seed)
+    weights = rng.choice(
+        [(1.0, 1.0, 0.0, 1.0, 1.0, 1.0), (0.5, 1.0, 0.0, 2.0, 0.75, 0.3), (1.0, 0.0, 0.0, 0.0, 1.0, 1.0)]
+    )
+    weights = weights if rng.random() < 0.7 else tuple(rng.choice((0.0, 0.25, 1.0, 3.5)) for _ in range(6))
+    w_npu, w_cpu, w_disk, scale, credit, load_weight = weights
+    cfg = KvAffinityConfig(
+        block_size=BS,
+        w_npu=w_npu,
+        w_cpu=w_cpu,
+        w_disk=w_disk,
+        prefill_load_scale=scale,
+        overlap_credit=credit,
+        load_weight=load_weight,
+    )
+    count = rng.randrange(1, 7)
+    names = [rng.choice(("vllm-prefill-", 'odd "name" \\ é-', "p")) + str(i) for i in range(count)]
+    state, affinity = _state(count, cfg, names)
+    sizes = [rng.choice((0, 1, 2, 4, 16)) for _ in range(count)]
+    prompts = [[rng.randrange(50_000) for _ in range(rng.randrange(1, 9) * BS + rng.randrange(3))] for _ in range(6)]
+    answers: list[Any] = []
+    base = 1_000
+    for step in range(160):
+        op = rng.random()
+        if op < 0.2:
+            i, prompt = rng.randrange(count), rng.choice(prompts)
+            blocks = rng.randrange(1, len(prompt) // BS + 1)
+            rank = rng.randrange(max(sizes[i], 1) + 2)  # some ranks past the reported ones
+            stored = wire.BlockStored(list(range(base, base + blocks)), None, prompt[: blocks * BS], BS, medium="GPU")
+            affinity.index.apply_batch(_url(i), wire.EventBatch(0.0, [stored], rank))
+            base += blocks
+        elif op < 0.35:
+            i = rng.randrange(count)
+            if sizes[i]:
+                loads = [rng.choice((0.0, 0.0, 64.0, 500.0, rng.uniform(0, 1e5), 1e13 + 0.05)) for _ in range(sizes[i])]
+                affinity.loads.apply(_url(i), _report(loads), now=rng.choice((None, 0.0)))  # 0.0: stale at once
+        elif op < 0.37:
+            affinity.loads.forget(_url(rng.randrange(count)))
+        else:
+            if rng.random() < 0.4:
+                prompt = [rng.randrange(50_000) for _ in range(rng.randrange(0, 6) * BS + rng.randrange(2))]
+            else:
+                prompt = rng.choice(prompts)
+            keys = sequence_keys(prompt, BS)
+            spread = spread_key(prompt, BS) if rng.random() < 0.8 else rng.getrandbits(64)
+            answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread)
+            encoded = answer.encoded.get(JSON_TYPE) or msgspec.json.encode(answer.body)
+            answers.append((step, encoded))
+            assert msgspec.json.decode(encoded) == answer.body
+    lines = [line for line in state.render_metrics().splitlines() if "_seconds" not in line]
+    return answers, lines
+
+
+@needs_native
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", range(40))
+def test_the_c_renderer_answers_commits_and_counts_as_the_reference(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rendered = _scenario(seed, True, monkeypatch)
+    reference = _scenario(seed, False, monkeypatch)
+    assert [a for a in rendered[0]] == [a for a in reference[0]]  # byte for byte; commits move later answers
+    assert rendered[1] == reference[1]
+
+
+@needs_native
+@pytest.mark.unit
+def test_the_c_renderer_renders_the_rank_aware_answers() -> None:
+    """The renderer is what answers when loads are fresh (not the reference on every query)."""
+    state, affinity = _state(2, KvAffinityConfig(block_size=BS), ["a", "b"])
+    prompt = list(range(1, 1 + 4 * BS))
+    stored = wire.BlockStored(list(range(100, 104)), None, prompt, BS, medium="GPU")
+    affinity.index.apply_batch(_url(1), wire.EventBatch(0.0, [stored], 1))
+    affinity.loads.apply(_url(0), _report([0.0, 0.0]))
+    affinity.loads.apply(_url(1), _report([0.0, 30.0]))
+    keys = sequence_keys(prompt, BS)
+    answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread_key(prompt, BS))
+    assert JSON_TYPE in answer.encoded and answer._body is None  # rendered in C, decoded only when asked
+    detail = answer.body["default"]["b"]["dp_detail"]["0"]
+    assert (detail["scored_rank"], detail["engine_dp_rank"], detail["rank_load"]) == (1, 1, 30.0)
+    view = state._view("m", "default", BS)
+    assert view.rank_tables and not view.by_rank
+
+
+@needs_native
+@pytest.mark.unit
+def test_a_float_it_cannot_render_exactly_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    state, affinity = _state(1, KvAffinityConfig(block_size=BS), ["a"])
+    # The chosen rank's load is past what "%.1f" renders as msgspec does.
+    affinity.loads.apply(_url(0), _report([2e15, 3e15]))
+    prompt = list(range(1, 1 + 2 * BS))
+    keys = sequence_keys(prompt, BS)
+    called = []
+    reference = state_module.AdapterState._rank_answer
+
+    def spy(self: AdapterState, *args: Any) -> Any:
+        called.append(1)
+        return reference(self, *args)
+
+    monkeypatch.setattr(state_module.AdapterState, "_rank_answer", spy)
+    answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), 3)
+    assert called and answer.body["default"]["a"]["dp_detail"]["0"]["scored_rank"] == 0
+
+
+@pytest.mark.unit
+def test_an_answer_needs_its_body_or_its_json() -> None:
+    with pytest.raises(ValueError, match="body or its JSON"):
+        state_module.Answer(None, {})
+    assert state_module.Answer(None, {JSON_TYPE: b'{"t":{}}'}).body == {"t": {}}
+
+
+@pytest.mark.unit
+def test_the_c_renderer_is_built_where_ci_requires_it() -> None:
+    if os.environ.get("KVPUB_REQUIRE_NATIVE") == "1":
+        assert rank_render.NATIVE is not None, "KVPUB_REQUIRE_NATIVE=1 but motor_adapter._answer did not build"
