@@ -18,7 +18,6 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Union
 
 from sglang_kvpub import wire
 
@@ -134,33 +133,13 @@ class RankLoadBook:
         until = math.inf
         stale_after = self.stale_after_s
         for instance in instances:
-            found = self._by_instance.get(instance)
-            if found is None or now - found.received > stale_after:
+            found = self._live.get(instance)  # one read: the token and its figures in step
+            if found is None or now - found[0] > stale_after:
                 out.append(None)
                 continue
-            until = min(until, found.received + stale_after)
-            out.append((found.version, self._commit_count.get(instance, 0)))
-        return tuple(out), until
-
-    def live(
-        self, instances: Sequence[str], now: float
-    ) -> tuple[tuple[tuple[int, int] | None, ...], tuple[Union[tuple[tuple[float, ...], float], None], ...], float]:
-        """:meth:`tokens`, and beside each fresh token the instance's current loads and their
-        sum (what :meth:`current` and ``sum`` give): one consistent read per instance."""
-        tokens: list[tuple[int, int] | None] = []
-        loads: list[Union[tuple[tuple[float, ...], float], None]] = []
-        until = math.inf
-        stale_after = self.stale_after_s
-        for instance in instances:
-            found = self._live.get(instance)
-            if found is None or now - found[0] > stale_after:
-                tokens.append(None)
-                loads.append(None)
-                continue
             until = min(until, found[0] + stale_after)
-            tokens.append(found[1])
-            loads.append((found[2], found[3]))
-        return tuple(tokens), tuple(loads), until
+            out.append(found[1])
+        return tuple(out), until
 
     def live_loads(self) -> Mapping[str, LiveLoads]:
         """Every instance's :data:`LiveLoads` (read-only: the C renderer reads it in one call)."""

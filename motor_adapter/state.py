@@ -876,12 +876,10 @@ class AdapterState:
 
 class _Loads(NamedTuple):
     """Each single-endpoint instance's loads token (``RankLoadBook.token``, in
-    ``view.rank_plans`` order) read at ``now`` (monotonic), and beside it its current loads
-    and their sum (``RankLoadBook.live``: None where the token is)."""
+    ``view.rank_plans`` order) read at ``now`` (monotonic)."""
 
     tokens: tuple[Union[tuple[int, int], None], ...]
     now: float
-    live: tuple[Union[tuple[tuple[float, ...], float], None], ...] = ()
 
 
 def _loads_tokens(view: _View) -> Union[_Loads, None]:
@@ -896,8 +894,8 @@ def _loads_tokens(view: _View) -> Union[_Loads, None]:
     if seen and seen[0] == changes and now < seen[1]:
         loads: Union[_Loads, None] = seen[2]
         return loads
-    tokens, live, until = book.live(view.rank_streams, now)
-    loads = _Loads(tokens, now, live) if any(token is not None for token in tokens) else None
+    tokens, until = book.tokens(view.rank_streams, now)
+    loads = _Loads(tokens, now) if any(token is not None for token in tokens) else None
     view.loads_seen[:] = [changes, until, loads]
     return loads
 
