@@ -585,6 +585,57 @@ def test_take_query_keys_refuses_bad_ids_as_take_token_ids(bad: Any, where: int)
         assert str(keyed.value) == str(taken.value)
 
 
+def _decoded_both_ways(decode: Any) -> tuple[Any, Any]:
+    """``decode()`` (its value, or its ValueError's message) with the wide id decode on, then off."""
+
+    def run() -> Any:
+        try:
+            return decode()
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+
+    assert NATIVE.u32_decode_wide(True)
+    wide = run()
+    try:
+        assert not NATIVE.u32_decode_wide(False)
+        chains = run()
+    finally:
+        NATIVE.u32_decode_wide(True)
+    return wide, chains
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(250))
+def test_wide_id_decode_equals_the_two_chains(seed: int) -> None:
+    """The AVX-512 VBMI id decode (64-byte windows, docs/native.md) against the two chains:
+    lengths around the window sizes, every mix of forms, other integer forms and bad items
+    anywhere (window edges included), bytes after the array that read as ids, a short tail."""
+    if not NATIVE.u32_decode_wide(None):
+        pytest.skip("this CPU has no AVX-512 VBMI: the two chains decode")
+    rng = random.Random(seed)
+    count = rng.choice([0, 1, 20, 25, 26, 40, 63, 64, 65, 100, 127, 128, 129, 300, 1023, 1024, 4000, 6144])
+    top = rng.choice([128, 256, 65_536, 150_000, 1 << 32])
+    forms = "short" if seed % 3 else "any"
+    items = [_packed_id(rng, rng.randrange(top), forms) for _ in range(count)]
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        if count:
+            odd = rng.choice([-1, -200, 1 << 32, 1 << 40, 1.5, None, "x", [1], True, 7, 200, 70_000, 1 << 31])
+            form = rng.choice(["short", "any"]) if type(odd) is int and 0 <= odd < 1 << 32 else "short"
+            items[rng.randrange(count)] = (
+                _packed_id(rng, odd, form) if type(odd) is int and odd >= 0 else msgpack.packb(odd)
+            )
+    array_bytes = b"\xdd" + count.to_bytes(4, "big") + b"".join(items)
+    after = rng.choice([b"", msgpack.packb("pad") + msgpack.packb([5] * rng.randrange(200)), b"\xa3end\x07"])
+    body = bytes([0x82 + (after != b"")]) + b"\xa5model\xa1m\xa9token_ids" + array_bytes + after
+    wide, chains = _decoded_both_ways(lambda: NATIVE.take_token_ids(body))
+    assert wide == chains
+    wide, chains = _decoded_both_ways(lambda: NATIVE.u32_from_msgpack(array_bytes))
+    assert wide == chains
+    default_block_size = rng.choice([1, 16, 128])
+    wide, chains = _decoded_both_ways(lambda: NATIVE.take_query_keys(body, default_block_size, 7))
+    assert wide == chains
+
+
 @needs_native
 def test_u32_from_ints_takes_what_struct_takes() -> None:
     numpy = pytest.importorskip("numpy")

@@ -1150,6 +1150,140 @@ static Py_ssize_t u32_run_split(const unsigned char **cursor, const unsigned cha
     return i;
 }
 
+/* ------------------------------------------------------------------ wide id decode
+ *
+ * u32_run over 64-byte windows with AVX-512 VBMI, where the CPU has it (checked at run time;
+ * the build needs no flag): the same ids, the same stopping point, 1.7x (ids of a 150k
+ * vocabulary, mostly 3 and 5 bytes) to 3.4x (text-like ids, mostly 1 and 2) faster than the
+ * two chains.  Per window, with no dependency on the windows before: each byte's item
+ * length taken as a tag (1, 2, 3, 5; 0 for another form), jump[0][p] = p + length, and
+ * jump[b] = jump[b-1] o jump[b-1] (where 2^b items from p end; positions past the window
+ * stay put, an item of another form is a fixed point).  The one serial step a window is a
+ * byte: the window's exit from the entry e, jump[6][e] (at most 64 items a window).  Item k
+ * starts at jump[k's bits](e); each item's value is gathered from the 4 bytes ending with
+ * its last one (byte-swapped, masked to its payload). */
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 8)
+#define HAVE_WIDE_DECODE 1
+#include <immintrin.h>
+
+static int wide_decode = -1; /* -1: not looked up yet */
+
+static int wide_decode_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("bmi");
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi,bmi"))) static Py_ssize_t
+u32_run_wide(const unsigned char **cursor, const unsigned char *stop, uint32_t *ids, Py_ssize_t count) {
+    const unsigned char *w = *cursor; /* the window; an item starts at w + e */
+    Py_ssize_t i = 0;
+    uint32_t e = 0;
+    const __m512i lane = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45,
+                                         44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26,
+                                         25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                         5, 4, 3, 2, 1, 0);
+    const __m512i beyond = _mm512_add_epi8(lane, _mm512_set1_epi8(64)); /* positions 64..127 map to themselves */
+    /* by item length: the right shift of an all-ones mask that keeps its payload (0: none) */
+    const __m512i shift_of_len = _mm512_set_epi32(32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 0, 32, 16, 24, 24, 32);
+    const __m512i back = _mm512_set1_epi32(0x03020100);
+    const __m512i spread = _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404,
+                                            0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808,
+                                            0x04040404, 0);
+    const __mmask64 bit[6] = {0xAAAAAAAAAAAAAAAAull, 0xCCCCCCCCCCCCCCCCull, 0xF0F0F0F0F0F0F0F0ull,
+                              0xFF00FF00FF00FF00ull, 0xFFFF0000FFFF0000ull, 0xFFFFFFFF00000000ull};
+    unsigned char starts[64], ends[64], lens[64];
+    while (i < count && stop - w >= 128) { /* the window and the next one readable: items run past it */
+        const __m512i data = _mm512_loadu_si512(w);
+        const __m512i next = _mm512_loadu_si512(w + 64);
+        __m512i len = _mm512_maskz_mov_epi8(_mm512_cmplt_epu8_mask(data, _mm512_set1_epi8((char)0x80)),
+                                            _mm512_set1_epi8(1));
+        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcc)),
+                                   _mm512_set1_epi8(2));
+        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcd)),
+                                   _mm512_set1_epi8(3));
+        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xce)),
+                                   _mm512_set1_epi8(5));
+        __m512i jump[7];
+        jump[0] = _mm512_add_epi8(lane, len);
+        for (int b = 1; b < 7; b++) {
+            jump[b] = _mm512_permutex2var_epi8(jump[b - 1], jump[b - 1], beyond);
+        }
+        const uint64_t exits = (uint64_t)_mm_cvtsi128_si64(_mm512_castsi512_si128(jump[6])); /* from e in 0..7 */
+        const uint32_t out = (uint32_t)(exits >> (8 * e)) & 0xff;
+        __m512i at = _mm512_set1_epi8((char)e); /* lane k: where item k starts */
+        for (int b = 0; b < 6; b++) {
+            at = _mm512_mask2_permutex2var_epi8(jump[b], at, bit[b], beyond);
+        }
+        const __m512i len_at = _mm512_permutex2var_epi8(len, at, _mm512_setzero_si512());
+        const Py_ssize_t n = (Py_ssize_t)_tzcnt_u64(~_mm512_test_epi8_mask(len_at, len_at)); /* items in the window */
+        const Py_ssize_t m = n < count - i ? n : count - i;
+        _mm512_storeu_si512(starts, at);
+        _mm512_storeu_si512(ends, _mm512_sub_epi8(_mm512_add_epi8(at, len_at), _mm512_set1_epi8(1)));
+        _mm512_storeu_si512(lens, len_at);
+        for (Py_ssize_t g = 0; g < m; g += 16) {
+            const __m512i end = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ends + g)));
+            const __m512i from = _mm512_sub_epi8(_mm512_shuffle_epi8(end, spread), back); /* end, end-1, end-2, end-3 */
+            const __m512i item_len = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lens + g)));
+            const __m512i keep = _mm512_srlv_epi32(_mm512_set1_epi32(-1), _mm512_permutexvar_epi32(item_len, shift_of_len));
+            const __m512i value = _mm512_and_si512(_mm512_permutex2var_epi8(data, from, next), keep);
+            const Py_ssize_t left = m - g;
+            _mm512_mask_storeu_epi32(ids + i + g, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), value);
+        }
+        i += m;
+        if (m < n || out < 64) { /* the array's end, or an item of another form (u32_run stops there) */
+            w += starts[m];
+            e = 0;
+            break;
+        }
+        e = out - 64;
+        w += 64;
+    }
+    w += e;
+    i += u32_run(&w, stop, ids + i, count - i); /* the last window's items */
+    *cursor = w;
+    return i;
+}
+#endif
+
+/* u32_decode_wide(enabled) -> bool
+ *
+ * Whether the ids are decoded with AVX-512 VBMI (see u32_run_wide) after the call: None asks,
+ * True turns it on where the CPU has it, False off (the two chains: a side-by-side figure,
+ * and the tests check both ways agree). */
+static PyObject *native_u32_decode_wide(PyObject *self, PyObject *arg) {
+#ifdef HAVE_WIDE_DECODE
+    if (wide_decode < 0) {
+        wide_decode = wide_decode_supported();
+    }
+    if (arg != Py_None) {
+        const int wanted = PyObject_IsTrue(arg);
+        if (wanted < 0) {
+            return NULL;
+        }
+        wide_decode = wanted && wide_decode_supported();
+    }
+    return PyBool_FromLong(wide_decode);
+#else
+    (void)arg;
+    Py_RETURN_FALSE;
+#endif
+}
+
+/* The leading ids of u32_run's forms: wide where the CPU allows, else in two chains. */
+static Py_ssize_t u32_run_fast(const unsigned char **cursor, const unsigned char *stop, uint32_t *ids,
+                               Py_ssize_t count) {
+#ifdef HAVE_WIDE_DECODE
+    if (wide_decode < 0) {
+        wide_decode = wide_decode_supported();
+    }
+    if (wide_decode) {
+        return u32_run_wide(cursor, stop, ids, count);
+    }
+#endif
+    return u32_run_split(cursor, stop, ids, count);
+}
+
 /* The item count of the msgpack array at `at` (*items set past its header), or -1 when it is
  * no array. */
 static Py_ssize_t msgpack_array_header(const unsigned char *at, const unsigned char *stop,
@@ -1176,7 +1310,7 @@ static Py_ssize_t msgpack_array_header(const unsigned char *at, const unsigned c
 static int u32_items(const unsigned char *at, const unsigned char *stop, Py_ssize_t count, uint32_t *ids,
                      const unsigned char **end, int *truncated) {
     *truncated = 0;
-    for (Py_ssize_t i = u32_run_split(&at, stop, ids, count); i < count; i++) { /* the rest: tail, other forms */
+    for (Py_ssize_t i = u32_run_fast(&at, stop, ids, count); i < count; i++) { /* the rest: tail, other forms */
         uint32_t value = 0;
         const Py_ssize_t taken = at < stop ? msgpack_u32(at, stop, &value) : 0;
         if (taken == 0) {
@@ -1462,7 +1596,7 @@ static int split_body(const unsigned char *base, const unsigned char *stop, int 
             if (is_ids) {
                 split->found = at; /* not an array: left to the struct decoder */
             } else if (msgpack_str_equals(at, key_end, "block_size", 10)) {
-                uint32_t value;
+                uint32_t value = 0;
                 const int usable = split->block_size_seen == 0 && msgpack_u32(key_end, stop, &value) == end - key_end;
                 split->block_size_seen = usable ? 1 : -1;
                 split->block_size = usable ? value : 0;
@@ -2305,6 +2439,8 @@ static PyMethodDef native_methods[] = {
      "u32_count_msgpack(raw) -> the length of a msgpack array of integers in [0, 2^32), each checked."},
     {"take_token_ids", native_take_token_ids, METH_O,
      "take_token_ids(body) -> (u32 bytes | None, body without token_ids): a msgpack /query body split."},
+    {"u32_decode_wide", native_u32_decode_wide, METH_O,
+     "u32_decode_wide(enabled) -> whether ids are decoded with AVX-512 VBMI after the call (None: ask)."},
     {"take_query_keys", native_take_query_keys, METH_VARARGS,
      "take_query_keys(body, default_block_size, seed) -> (rest, keys, tokens, spread, block_size) | None: "
      "take_token_ids with the ids hashed into sequence_keys and spread_key instead of returned."},
