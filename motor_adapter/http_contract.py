@@ -30,6 +30,7 @@ __all__ = [
     "token_ids_of",
     "u32_tokens",
     "take_token_ids",
+    "take_query_keys",
     "as_dict",
 ]
 
@@ -41,6 +42,8 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=_U32_MAX)]
 _BLOCK_SIZE = Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
+_DEFAULT_BLOCK_SIZE = 128
+_BAD_IDS = "token_ids must be a list of integers in [0, 2^32)"
 
 
 class RequestError(Exception):
@@ -57,7 +60,7 @@ class QueryBody(msgspec.Struct, kw_only=True):
     """``/query`` and ``/query_by_hash``: decoded AND validated in C (the hot path)."""
 
     model: Union[str, None] = None
-    block_size: _BLOCK_SIZE = 128
+    block_size: _BLOCK_SIZE = _DEFAULT_BLOCK_SIZE
     tenant_id: Union[str, None] = None
     token_ids: Union[list[int], None] = None  # range-checked by u32_tokens in one C call
     block_hashes: Union[list[int], None] = None  # i64 or u64: range checked by the handler
@@ -79,7 +82,23 @@ def take_token_ids(raw: bytes, native: Any) -> tuple[bytes | None, bytes]:
     try:
         return native.take_token_ids(raw)
     except ValueError as exc:
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+        raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
+
+
+def take_query_keys(raw: bytes, native: Any, seed: int) -> tuple[bytes, list[int], int, int, int] | None:
+    """:func:`take_token_ids` with the ids hashed in the same C call instead of returned:
+    ``(rest, keys, tokens, spread, block_size)``, ``keys`` the prompt's
+    ``hashing.sequence_keys`` under ``seed`` for the body's ``block_size`` (the
+    :class:`QueryBody` default without one), ``spread`` its ``rank_cost.spread_key``,
+    ``tokens`` the id count - no u32 bytes object, no view of it, the last block hashed once.
+    None where :func:`take_token_ids` takes nothing, and when the body's ``block_size`` is not
+    one integer in range (take the generic path: its decoder says what is wrong). The same
+    refusal as :func:`take_token_ids` for a bad id."""
+    try:
+        split: tuple[bytes, list[int], int, int, int] | None = native.take_query_keys(raw, _DEFAULT_BLOCK_SIZE, seed)
+    except ValueError as exc:
+        raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
+    return split
 
 
 # --------------------------------------------------------------------------- request fields
@@ -104,7 +123,7 @@ def token_ids_of(value: Any) -> list[int]:
     try:
         return msgspec.convert(value, list[_U32])
     except msgspec.ValidationError as exc:
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+        raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
 
 
 def u32_tokens(tokens: Sequence[int]) -> array[int]:
@@ -112,7 +131,7 @@ def u32_tokens(tokens: Sequence[int]) -> array[int]:
     try:
         return array("I", tokens)
     except (OverflowError, TypeError) as exc:
-        raise RequestError(400, "bad_field", f"token_ids must be a list of integers in [0, 2^32): {exc}") from exc
+        raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
 
 
 def candidates_of(value: Any) -> list[Candidate]:

@@ -18,7 +18,6 @@ bad one gets a 4xx JSON ``{"error", "detail"}`` and is counted.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import time
@@ -42,6 +41,7 @@ from motor_adapter.http_contract import (
     candidates_of,
     field_block_size,
     field_str,
+    take_query_keys,
     take_token_ids,
     token_ids_of,
     u32_tokens,
@@ -108,9 +108,10 @@ def _encoded_answer(request: web.Request, answer: Answer) -> web.Response:
     return web.Response(body=body, content_type=kind)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Prompt:
-    """What a ``/query`` body asks, hashed: the part of a query that depends on the body alone."""
+class _Prompt(msgspec.Struct, frozen=True, gc=False):
+    """What a ``/query`` body asks, hashed: the part of a query that depends on the body alone.
+    A struct (made in 0.14 us, where a frozen dataclass took 1.7: one per new body); no
+    cycle can run through its strs, ints and list of ints, so the collector need not track it."""
 
     model: str
     tenant: str
@@ -290,9 +291,18 @@ class _Handlers:
         started = time.perf_counter()
         cache_key = self._prompts.key(raw, is_msgpack)
         prompt = self._prompts.get(cache_key, raw)
+        if prompt is None and is_msgpack and self._native:  # ids decoded and hashed in one C call
+            split = take_query_keys(raw, self._native, hashing.BASE_SEED)
+            if split is not None:
+                rest, keys, count, spread, size = split
+                body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
+                model, tenant, block_size = body.common()
+                if block_size == size:  # C read the block size the decoder read (else the path below)
+                    prompt = _Prompt(model, tenant, size, keys, count // size, count, spread)
+                    self._prompts.put(cache_key, raw, prompt)
         if prompt is None:
             taken, rest = take_token_ids(raw, self._native) if is_msgpack and self._native else (None, raw)
-            body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
+            body = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
             model, tenant, block_size = body.common()
             ids: Sequence[int] | None = body.token_ids if taken is None else memoryview(taken).cast("I")
             if ids is None:

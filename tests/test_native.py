@@ -21,6 +21,7 @@ from sglang_kvpub import wire
 from sglang_kvpub.core import hashing
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher
 from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.rank_cost import spread_key
 from sglang_kvpub.wire import BlockRemoved, BlockStored, EventBatch
 
 pytestmark = pytest.mark.unit
@@ -471,6 +472,168 @@ def test_long_id_arrays_decode_in_two_chains_as_in_one(seed: int) -> None:
         NATIVE.u32_from_msgpack(wrong)
     with pytest.raises(ValueError, match="truncated"):
         NATIVE.u32_from_msgpack(array_bytes[: rng.randrange(6, len(array_bytes))])
+
+
+def _query_keys_reference(raw: bytes, default_block_size: int, seed: int) -> Any:
+    """``take_query_keys``'s answer by the Python path: ``take_token_ids``'s split, the
+    block size the struct decoder reads, the Python loops' keys and ``spread_key``."""
+    taken, rest = NATIVE.take_token_ids(raw)
+    if taken is None:
+        return None
+    block_size = msgpack.unpackb(raw, strict_map_key=False).get("block_size", default_block_size)
+    if type(block_size) is not int or not 0 < block_size <= 1 << 20:
+        return None
+    ids = array("I", taken).tolist()
+    blocks = len(ids) // block_size
+    keys = hashing._chained_py(taken, block_size, seed, seed, 0, blocks)
+    if blocks:
+        local = hashing._xxh3(taken[(blocks - 1) * block_size * 4 : blocks * block_size * 4], seed)
+    else:
+        local = hashing._xxh3(taken, seed) if ids else 0
+    if seed == hashing.BASE_SEED:
+        assert local == spread_key(ids, block_size)
+    return rest, keys, len(ids), local, block_size
+
+
+def _random_query_body(rng: random.Random) -> tuple[bytes, list[int]]:
+    """A msgpack /query body: ids of every msgpack width (in any integer form wide enough),
+    0..several blocks, the block size before or after the ids or absent, fields around."""
+    block_size = rng.choice([1, 2, 16, 100, 128, 128, 333, 1024])
+    count = rng.choice([0, 1, rng.randrange(block_size + 1), rng.randrange(6 * block_size + 2), 1100, 6144])
+    top = rng.choice([128, 256, 65_536, 150_000, 1 << 32])
+    ids = [rng.randrange(top) for _ in range(count)]
+    forms = rng.choice(["short", "any"])
+    array_bytes = msgpack.packb([]) if not ids else b"\xdd" + count.to_bytes(4, "big")
+    array_bytes += b"".join(_packed_id(rng, v, forms) for v in ids)
+    if rng.random() < 0.3 and count < 1 << 16:
+        array_bytes = msgpack.packb(ids)  # fixarray / array16 headers
+    entries = [
+        msgpack.packb("model") + msgpack.packb("m"),
+        msgpack.packb("tenant_id") + msgpack.packb(rng.choice(["default", "t" * 40])),
+        msgpack.packb("messages") + msgpack.packb([{"role": "user", "content": "x" * rng.randrange(300)}]),
+    ]
+    if rng.random() < 0.8:
+        entries.append(msgpack.packb("block_size") + _packed_id(rng, block_size, forms))
+    rng.shuffle(entries)
+    entries.insert(rng.randrange(len(entries) + 1), b"\xa9token_ids" + array_bytes)
+    return bytes([0x80 | len(entries)]) + b"".join(entries), ids
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(300))
+def test_take_query_keys_equals_the_python_path(seed: int) -> None:
+    """One C call for the /query miss path: the split, the chained keys, the id count and
+    the spread key equal the Python path's over random bodies."""
+    rng = random.Random(seed)
+    raw, ids = _random_query_body(rng)
+    hash_seed = hashing.BASE_SEED if seed % 3 else hashing.lora_seed(f"lora-{seed}")
+    expected = _query_keys_reference(raw, 128, hash_seed)
+    assert expected is not None and expected[2] == len(ids)
+    assert NATIVE.take_query_keys(raw, 128, hash_seed) == expected
+    if hash_seed == hashing.BASE_SEED:
+        _, keys, _, spread, block_size = expected
+        assert keys == hashing.sequence_keys(ids, block_size)
+        assert spread == spread_key(ids, block_size)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "block_size",
+    [None, 0, -1, 1 << 20, (1 << 20) + 1, 1 << 32, 1.0, "128", True, b"\x80"],
+)
+def test_take_query_keys_leaves_a_block_size_out_of_range_to_the_decoder(block_size: Any) -> None:
+    raw = msgpack.packb({"model": "m", "token_ids": list(range(300)), "block_size": block_size})
+    expected = (1 << 20, 0) if block_size == 1 << 20 and type(block_size) is int else None
+    got = NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED)
+    assert (got if got is None else (got[4], len(got[1]))) == expected
+    twice = b"\x83\xaablock_size\x10\xa9token_ids\x92\x01\x02\xaablock_size\x10"  # one block size, twice
+    assert NATIVE.take_query_keys(twice, 128, hashing.BASE_SEED) is None
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "raw",
+    [
+        msgpack.packb({"model": "m"}),
+        msgpack.packb({"model": "m", "token_ids": None}),
+        msgpack.packb({"token_ids": "1 2 3"}),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"model": "m", "token_ids": [1, 2]})[:-2],
+        msgpack.packb({"model": "m", "token_ids": [1, 2], "block_size": 2})[:-1],
+        b"\x82\xa9token_ids\x91\x01\xa9token_ids\x91\x02",
+        b"\x81\xa9token_ids\xdd\x00\x00\x00\x09\x01",  # a count past the body
+        b"",
+    ],
+)
+def test_take_query_keys_takes_what_take_token_ids_takes(raw: bytes) -> None:
+    assert NATIVE.take_token_ids(raw) == (None, raw)
+    assert NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED) is None
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, -129, 1 << 32, 1.5, None, "7", True, [1]])
+@pytest.mark.parametrize("where", [0, 127, 128, 6143])
+def test_take_query_keys_refuses_bad_ids_as_take_token_ids(bad: Any, where: int) -> None:
+    ids: list[Any] = list(range(100_000, 106_144))
+    ids[where] = bad
+    for block_size in (16, "bad"):  # the id is refused before the block size is looked at
+        raw = msgpack.packb({"block_size": block_size, "model": "m", "token_ids": ids})
+        with pytest.raises(ValueError, match=rf"token_ids\[{where}\]") as taken:
+            NATIVE.take_token_ids(raw)
+        with pytest.raises(ValueError, match=rf"token_ids\[{where}\]") as keyed:
+            NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED)
+        assert str(keyed.value) == str(taken.value)
+
+
+def _decoded_both_ways(decode: Any) -> tuple[Any, Any]:
+    """``decode()`` (its value, or its ValueError's message) with the wide id decode on, then off."""
+
+    def run() -> Any:
+        try:
+            return decode()
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+
+    assert NATIVE.u32_decode_wide(True)
+    wide = run()
+    try:
+        assert not NATIVE.u32_decode_wide(False)
+        chains = run()
+    finally:
+        NATIVE.u32_decode_wide(True)
+    return wide, chains
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(250))
+def test_wide_id_decode_equals_the_two_chains(seed: int) -> None:
+    """The AVX-512 VBMI id decode (64-byte windows, docs/native.md) against the two chains:
+    lengths around the window sizes, every mix of forms, other integer forms and bad items
+    anywhere (window edges included), bytes after the array that read as ids, a short tail."""
+    if not NATIVE.u32_decode_wide(None):
+        pytest.skip("this CPU has no AVX-512 VBMI: the two chains decode")
+    rng = random.Random(seed)
+    count = rng.choice([0, 1, 20, 25, 26, 40, 63, 64, 65, 100, 127, 128, 129, 300, 1023, 1024, 4000, 6144])
+    top = rng.choice([128, 256, 65_536, 150_000, 1 << 32])
+    forms = "short" if seed % 3 else "any"
+    items = [_packed_id(rng, rng.randrange(top), forms) for _ in range(count)]
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        if count:
+            odd = rng.choice([-1, -200, 1 << 32, 1 << 40, 1.5, None, "x", [1], True, 7, 200, 70_000, 1 << 31])
+            form = rng.choice(["short", "any"]) if type(odd) is int and 0 <= odd < 1 << 32 else "short"
+            items[rng.randrange(count)] = (
+                _packed_id(rng, odd, form) if type(odd) is int and odd >= 0 else msgpack.packb(odd)
+            )
+    array_bytes = b"\xdd" + count.to_bytes(4, "big") + b"".join(items)
+    after = rng.choice([b"", msgpack.packb("pad") + msgpack.packb([5] * rng.randrange(200)), b"\xa3end\x07"])
+    body = bytes([0x82 + (after != b"")]) + b"\xa5model\xa1m\xa9token_ids" + array_bytes + after
+    wide, chains = _decoded_both_ways(lambda: NATIVE.take_token_ids(body))
+    assert wide == chains
+    wide, chains = _decoded_both_ways(lambda: NATIVE.u32_from_msgpack(array_bytes))
+    assert wide == chains
+    default_block_size = rng.choice([1, 16, 128])
+    wide, chains = _decoded_both_ways(lambda: NATIVE.take_query_keys(body, default_block_size, 7))
+    assert wide == chains
 
 
 @needs_native

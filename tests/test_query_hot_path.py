@@ -8,6 +8,7 @@ as it is now. A client whose ``Accept`` names msgpack gets the same answer in ms
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import urllib.request
@@ -297,3 +298,67 @@ def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
     assert (status, answer["error"]) == (400, "invalid_msgpack")
     status, answer = http(url, {**body, "token_ids": None}, use_msgpack=True)
     assert status == 400  # no ids and no prompt: nothing to tokenize (the tokenizer path's refusal)
+
+
+def _matched_all(url: str, raw: bytes, tokens: int) -> bool:
+    answer = http(url, raw=raw, headers={"Content-Type": "application/msgpack"})[1]
+    return bool(answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"] == tokens)
+
+
+def _raw_map(*entries: tuple[str, Any]) -> bytes:
+    """A msgpack map in the given entry order (duplicates kept, as a client may send them)."""
+    return bytes([0x80 | len(entries)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)
+
+
+@pytest.mark.integration
+def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
+    monkeypatch: pytest.MonkeyPatch, zctx: Any, make_server: Any
+) -> None:
+    """The miss path's one C call (``take_query_keys``: ids split, decoded and hashed with
+    the spread key) against the Python path on the same bodies, each sent twice (a miss,
+    then the cache): the same answers; the same refusals, the same detail wherever it is
+    not the id check's own wording (the Python path reports bad ids in msgspec's)."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built")
+    tokens = [*prompt(13, 5), 70_000, 123, 200]  # a partial block after 5 full ones
+    base = [("model", MODEL), ("tenant_id", "default")]
+    good = [
+        _raw_map(*base, ("block_size", BS), ("token_ids", tokens)),
+        _raw_map(("token_ids", tokens), *base, ("block_size", BS)),  # the block size after the ids
+        _raw_map(*base, ("token_ids", tokens)),  # the default block size
+        _raw_map(*base, ("token_ids", tokens[: 3 * BS]), ("messages", [{"role": "user", "content": "x"}])),
+        _raw_map(*base, ("token_ids", tokens[:100])),  # under one block
+        _raw_map(*base, ("token_ids", [])),
+        _raw_map(*base, ("block_size", 16), ("token_ids", tokens)),  # no index of that block size
+        _raw_map(*base, ("block_size", 16), ("token_ids", tokens), ("block_size", BS)),  # twice: the decoder's, last
+    ]
+    bad_block_size = [
+        _raw_map(*base, ("block_size", value), ("token_ids", tokens)) for value in (0, -1, "128", True, 1.0, 1 << 21)
+    ]
+    bad_ids = [_raw_map(*base, ("token_ids", [*tokens[:200], bad])) for bad in (-1, 1 << 32, 1.5, None, "7")]
+    bad_ids.append(_raw_map(*base, ("block_size", "x"), ("token_ids", [1, -1])))
+    headers = {"Content-Type": "application/msgpack"}
+    answers: dict[bool, list[tuple[int, Any]]] = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(hashing, "NATIVE", None)
+        server = make_server()  # after the switch: the handlers read hashing.NATIVE when built
+        pub = Publisher(zctx, free_tcp_endpoint())
+        assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
+        connect(server, pub)
+        pub.store(tokens[: 3 * BS], rank=2)
+        url = server.url + "/query"
+        wait_for(functools.partial(_matched_all, url, good[0], 3 * BS), "the store is indexed")
+        answers[native] = [http(url, raw=raw, headers=headers) for raw in good + bad_block_size + bad_ids for _ in "12"]
+    c_path, python_path = answers[True], answers[False]
+    assert c_path[: 2 * len(good)] == python_path[: 2 * len(good)]
+    assert any(status == 200 and answer for status, answer in c_path[: 2 * len(good)])
+    for (status, answer), (python_status, python_answer) in zip(
+        c_path[2 * len(good) :], python_path[2 * len(good) :], strict=True
+    ):
+        assert (status, answer["error"]) == (python_status, python_answer["error"]) == (400, "bad_field")
+    for (status, answer), (_, python_answer) in zip(c_path, python_path, strict=True):
+        if status == 400 and "token_ids" not in answer["detail"]:
+            assert answer == python_answer
