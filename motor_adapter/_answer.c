@@ -57,22 +57,19 @@ static double prefill_of(const params_t *p, long long matched) {
     return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
 }
 
-/* An instance's hits: bytes of native int64 quads (rank, npu, cpu, disk), one per rank
- * holding block 0 (RankTable packs them). */
+/* An instance's hits: native int64 quads (rank, npu, cpu, disk), one per rank holding block 0. */
 typedef struct {
     const long long (*items)[4];
     Py_ssize_t count;
 } hits_t;
 
-static int hits_of(PyObject *packed, hits_t *out) {
-    if (!PyBytes_Check(packed) || PyBytes_GET_SIZE(packed) % (Py_ssize_t)(4 * sizeof(long long)) != 0) {
-        PyErr_SetString(PyExc_TypeError, "hits are bytes of int64 (rank, npu, cpu, disk) quads");
-        return -1;
-    }
-    out->items = (const long long(*)[4])PyBytes_AS_STRING(packed);
-    out->count = PyBytes_GET_SIZE(packed) / (Py_ssize_t)(4 * sizeof(long long));
-    return 0;
-}
+/* One instance of the board: its JSON name and dp key, longest hit, hits (pointers into it). */
+typedef struct {
+    const char *name, *key;
+    size_t name_len, key_len;
+    long long longest;
+    hits_t hits;
+} instance_t;
 
 /* scoring.best_rank: the largest weighted hit, then more NPU blocks, more blocks, the lower
  * rank.  Sets s->rank/-1 and the tiers.  0 on success, -1 with an exception. */
@@ -108,41 +105,38 @@ static void longest_hit(const params_t *p, const hits_t *hits, scored_t *s) {
     s->disk = best[3];
 }
 
-/* One instance scored (_InstanceScores.at), `live` its RankLoadBook.live entry (received,
- * token, loads, sum) or NULL; fresh when received within stale_after of now.  0 on success, 1 to
- * fall back, -1 with an exception. */
+/* One instance scored (_InstanceScores.at).  `live` is its RankLoadBook packed entry - native
+ * doubles: received (monotonic), the loads' sum, then the current load of each rank - or NULL;
+ * fresh when received within stale_after of now.  0 on success, 1 to fall back, -1 with an
+ * exception. */
 static int score_instance(const params_t *p, const hits_t *hits, PyObject *live, double now, double stale_after,
                           uint64_t spread, scored_t *s) {
     memset(s, 0, sizeof *s);
-    PyObject *values = NULL;
+    const double *values = NULL;
     Py_ssize_t size = 0;
     if (live != NULL) {
-        if (!PyTuple_Check(live) || PyTuple_GET_SIZE(live) != 4 || !PyTuple_Check(PyTuple_GET_ITEM(live, 2))) {
-            PyErr_SetString(PyExc_TypeError, "live loads are (received, token, loads tuple, sum)");
+        if (!PyBytes_Check(live) || PyBytes_GET_SIZE(live) < (Py_ssize_t)(2 * sizeof(double)) ||
+            PyBytes_GET_SIZE(live) % (Py_ssize_t)sizeof(double) != 0) {
+            PyErr_SetString(PyExc_TypeError, "packed loads are doubles: received, sum, each rank's load");
             return -1;
         }
-        const double received = PyFloat_AsDouble(PyTuple_GET_ITEM(live, 0));
-        if (received == -1.0 && PyErr_Occurred()) {
-            return -1;
-        }
-        s->fresh = !(now - received > stale_after); /* RankLoadBook.token: stale past stale_after */
-        s->received = received;
+        const double *packed = (const double *)PyBytes_AS_STRING(live);
+        s->received = packed[0];
+        s->fresh = !(now - packed[0] > stale_after); /* RankLoadBook.token: stale past stale_after */
         if (s->fresh) {
-            values = PyTuple_GET_ITEM(live, 2);
-            size = PyTuple_GET_SIZE(values);
+            s->load_estimate = packed[1];
+            values = packed + 2;
+            size = PyBytes_GET_SIZE(live) / (Py_ssize_t)sizeof(double) - 2;
         }
     }
     if (size == 0) { /* no figures: the longest hit, as before loads existed */
+        s->load_estimate = 0.0;
         longest_hit(p, hits, s);
         if (s->has_hit && matched_of(p, s->npu, s->cpu, s->disk, &s->matched) != 0) {
             return 1;
         }
         s->cost = prefill_of(p, s->matched); /* cfg.prefill_load_scale * prefill_cost(matched) */
         return isfinite(s->cost) ? 0 : 1;
-    }
-    s->load_estimate = PyFloat_AsDouble(PyTuple_GET_ITEM(live, 3));
-    if (s->load_estimate == -1.0 && PyErr_Occurred()) {
-        return -1;
     }
     /* Each rank's hit by rank (ranks below size only, as _HitsShape.tiers). */
     Py_ssize_t stack_index[256];
@@ -167,11 +161,7 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
     Py_ssize_t best_rank = start;
     for (Py_ssize_t k = 0; k < size; k++) {
         const Py_ssize_t r = (start + k) % size;
-        const double load = PyFloat_AsDouble(PyTuple_GET_ITEM(values, r));
-        if (load == -1.0 && PyErr_Occurred()) {
-            status = -1;
-            goto done;
-        }
+        const double load = values[r];
         if (!isfinite(load)) {
             status = 1;
             goto done;
@@ -253,10 +243,6 @@ static int text_raw(text_t *t, const char *s, size_t n) {
 
 #define TEXT_LIT(t, s) text_raw((t), (s), sizeof(s) - 1)
 
-static int text_bytes(text_t *t, PyObject *b) {
-    return text_raw(t, PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(b));
-}
-
 static int text_int(text_t *t, long long v) {
     char buf[24];
     char *end = buf + sizeof buf, *at = end;
@@ -304,13 +290,14 @@ static int text_round1(text_t *t, double v) {
 static int renderable(double v) { return isfinite(v) && fabs(v) < EXACT_FLOAT_MAX; }
 
 /* One instance's entry: "<name>":{...} (the reference's key order). */
-static int text_entry(text_t *t, PyObject *name, PyObject *key, const scored_t *s, long long longest, long long gpu,
-                      long long dp, Py_ssize_t bs) {
+static int text_entry(text_t *t, const instance_t *in, const scored_t *s, long long gpu, long long dp,
+                      Py_ssize_t bs) {
     const long long npu = s->has_hit ? s->npu : 0, cpu = s->has_hit ? s->cpu : 0, disk = s->has_hit ? s->disk : 0;
-    if (text_bytes(t, name) || TEXT_LIT(t, ":{\"longest_matched\":") || text_int(t, longest) ||
+    if (text_raw(t, in->name, in->name_len) || TEXT_LIT(t, ":{\"longest_matched\":") || text_int(t, in->longest) ||
         TEXT_LIT(t, ",\"GPU\":") || text_int(t, gpu) || TEXT_LIT(t, ",\"CPU\":") || text_int(t, cpu * bs) ||
-        TEXT_LIT(t, ",\"DISK\":") || text_int(t, disk * bs) || TEXT_LIT(t, ",\"DP\":{") || text_bytes(t, key) ||
-        TEXT_LIT(t, ":") || text_int(t, dp) || TEXT_LIT(t, "},\"dp_detail\":{") || text_bytes(t, key) ||
+        TEXT_LIT(t, ",\"DISK\":") || text_int(t, disk * bs) || TEXT_LIT(t, ",\"DP\":{") ||
+        text_raw(t, in->key, in->key_len) || TEXT_LIT(t, ":") || text_int(t, dp) || TEXT_LIT(t, "},\"dp_detail\":{") ||
+        text_raw(t, in->key, in->key_len) ||
         TEXT_LIT(t, ":{\"matched_tokens\":") || text_int(t, (npu + cpu + disk) * bs) ||
         TEXT_LIT(t, ",\"npu_blocks\":") || text_int(t, npu) || TEXT_LIT(t, ",\"cpu_blocks\":") || text_int(t, cpu) ||
         TEXT_LIT(t, ",\"disk_blocks\":") || text_int(t, disk) || TEXT_LIT(t, ",\"engine_dp_rank\":") ||
@@ -320,6 +307,86 @@ static int text_entry(text_t *t, PyObject *name, PyObject *key, const scored_t *
         return -1;
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------ the board
+ *
+ * One bytes object per (view, walk result), built by rank_render.RankTable, read front to back
+ * (one object, contiguous: a cold cache misses a few lines, not an object per figure).  Native
+ * int64 / double words:
+ *   n, block_size, w_npu, w_cpu, w_disk, prefill_scale, overlap_credit, load_weight (doubles),
+ *   tenant_len, tenant bytes (padded to 8);
+ *   per instance: name_len, key_len, longest, hits_count, name bytes (padded), key bytes
+ *   (padded), hits_count x (rank, npu, cpu, disk). */
+
+typedef struct {
+    const unsigned char *at, *stop;
+} cursor_t;
+
+static int take_word(cursor_t *c, void *out) {
+    if (c->stop - c->at < 8) {
+        return -1;
+    }
+    memcpy(out, c->at, 8);
+    c->at += 8;
+    return 0;
+}
+
+static int take_text(cursor_t *c, long long len, const char **out) {
+    const long long padded = (len + 7) / 8 * 8;
+    if (len < 0 || c->stop - c->at < padded) {
+        return -1;
+    }
+    *out = (const char *)c->at;
+    c->at += padded;
+    return 0;
+}
+
+/* Parses the board into *p, the tenant and `instances` (room for n, allocated here). */
+static int read_board(PyObject *board, params_t *p, const char **tenant, size_t *tenant_len, instance_t **instances,
+                      Py_ssize_t *n) {
+    cursor_t c = {(const unsigned char *)PyBytes_AS_STRING(board),
+                  (const unsigned char *)PyBytes_AS_STRING(board) + PyBytes_GET_SIZE(board)};
+    long long count, block_size, tlen;
+    if (take_word(&c, &count) || take_word(&c, &block_size) || take_word(&c, &p->w_npu) ||
+        take_word(&c, &p->w_cpu) || take_word(&c, &p->w_disk) || take_word(&c, &p->prefill_scale) ||
+        take_word(&c, &p->overlap_credit) || take_word(&c, &p->load_weight) || take_word(&c, &tlen) ||
+        take_text(&c, tlen, tenant) || count <= 0 || count > (1 << 20)) {
+        goto bad;
+    }
+    p->block_size = (Py_ssize_t)block_size;
+    *tenant_len = (size_t)tlen;
+    *n = (Py_ssize_t)count;
+    *instances = PyMem_Malloc((size_t)count * sizeof(instance_t));
+    if (*instances == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (long long i = 0; i < count; i++) {
+        instance_t *in = &(*instances)[i];
+        long long name_len, key_len, hits_count;
+        if (take_word(&c, &name_len) || take_word(&c, &key_len) || take_word(&c, &in->longest) ||
+            take_word(&c, &hits_count) || take_text(&c, name_len, &in->name) || take_text(&c, key_len, &in->key) ||
+            hits_count < 0 || (c.stop - c.at) / 32 < hits_count) {
+            PyMem_Free(*instances);
+            *instances = NULL;
+            goto bad;
+        }
+        in->name_len = (size_t)name_len;
+        in->key_len = (size_t)key_len;
+        in->hits.items = (const long long(*)[4])c.at;
+        in->hits.count = (Py_ssize_t)hits_count;
+        c.at += hits_count * 32;
+    }
+    if (c.at != c.stop) {
+        PyMem_Free(*instances);
+        *instances = NULL;
+        goto bad;
+    }
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "a malformed rank board (rank_render.RankTable builds it)");
+    return -1;
 }
 
 /* ------------------------------------------------------------------ metrics cells */
@@ -348,73 +415,62 @@ static PyObject *cells_of(PyObject *cells, PyObject *resolve, Py_ssize_t i, long
     return found; /* borrowed from the dict */
 }
 
-/* rank_answer(tenant, names, keys, streams, hits, longest, live, now, stale_after, isl, spread,
- *             block_size, (w_npu, w_cpu, w_disk), prefill_scale, overlap_credit, load_weight,
- *             cells, resolve)
+/* rank_answer(board, streams, packed, now, stale_after, isl, spread, cells, resolve)
  *   -> False | None | (json, best, commit_rank | None, commit_tokens, adds, best_blocks, scored, until)
  *
- * tenant, names[i], keys[i]: JSON-encoded strings (bytes); streams[i]: instance i's stream
- * (its key in `live`, RankLoadBook's live loads: received, token, loads, sum); hits[i]: bytes
- * of int64 (rank, npu, cpu, disk) of its ranks holding block 0; longest[i]: its longest hit in
- * tokens; cells[i]: a dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a
- * miss; until: when the first fresh instance goes stale (the answer holds while the book does
- * not change until then).  False: no instance has fresh loads (answer by the longest hit);
- * None: fall back. */
+ * board: the view's and walk result's inputs (above); streams[i]: instance i's stream, its key
+ * in `packed` (RankLoadBook.packed_loads: received, sum, each rank's current load, as doubles);
+ * cells[i]: a dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a miss;
+ * until: when the first fresh instance goes stale (the answer holds while the book does not
+ * change until then).  False: no instance has fresh loads (answer by the longest hit); None:
+ * fall back to the reference. */
 static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *tenant, *names, *keys, *streams, *hits, *longest, *live, *spread_obj, *cells, *resolve;
+    PyObject *board, *streams, *live, *spread_obj, *cells, *resolve;
     double now, stale_after;
     params_t p;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!ddnOn(ddd)dddO!O", &PyBytes_Type, &tenant, &PyTuple_Type, &names,
-                          &PyTuple_Type, &keys, &PyTuple_Type, &streams, &PyTuple_Type, &hits, &PyTuple_Type,
-                          &longest, &PyDict_Type, &live, &now, &stale_after, &p.isl, &spread_obj, &p.block_size,
-                          &p.w_npu, &p.w_cpu, &p.w_disk, &p.prefill_scale, &p.overlap_credit, &p.load_weight,
-                          &PyTuple_Type, &cells, &resolve)) {
+    if (!PyArg_ParseTuple(args, "O!O!O!ddnOO!O", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live,
+                          &now, &stale_after, &p.isl, &spread_obj, &PyTuple_Type, &cells, &resolve)) {
         return NULL;
-    }
-    const Py_ssize_t n = PyTuple_GET_SIZE(names);
-    if (n == 0 || PyTuple_GET_SIZE(keys) != n || PyTuple_GET_SIZE(streams) != n || PyTuple_GET_SIZE(hits) != n ||
-        PyTuple_GET_SIZE(longest) != n || PyTuple_GET_SIZE(cells) != n) {
-        PyErr_SetString(PyExc_ValueError, "rank_answer needs one name, key, stream, hits, longest and cells per instance");
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyBytes_Check(PyTuple_GET_ITEM(names, i)) || !PyBytes_Check(PyTuple_GET_ITEM(keys, i)) ||
-            !PyDict_Check(PyTuple_GET_ITEM(cells, i))) {
-            PyErr_SetString(PyExc_TypeError, "names and keys are bytes, cells dicts");
-            return NULL;
-        }
     }
     const uint64_t spread = PyLong_AsUnsignedLongLongMask(spread_obj);
     if (spread == (uint64_t)-1 && PyErr_Occurred()) {
         return NULL;
     }
+    const char *tenant;
+    size_t tenant_len;
+    instance_t *instances = NULL;
+    Py_ssize_t n;
+    if (read_board(board, &p, &tenant, &tenant_len, &instances, &n) != 0) {
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(streams) != n || PyTuple_GET_SIZE(cells) != n) {
+        PyMem_Free(instances);
+        PyErr_SetString(PyExc_ValueError, "rank_answer needs one stream and one cells dict per instance of the board");
+        return NULL;
+    }
     scored_t stack_scored[64];
     scored_t *scored = n <= 64 ? stack_scored : PyMem_Malloc((size_t)n * sizeof(scored_t));
-    long long *values = PyMem_Malloc((size_t)n * 3 * sizeof(long long)); /* gpu, dp, longest */
+    long long *values = PyMem_Malloc((size_t)n * 2 * sizeof(long long)); /* gpu, dp */
     text_t text = {NULL, 0, 0};
     PyObject *out = NULL, *adds = NULL, *scored_cells = NULL;
     if (scored == NULL || values == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    long long *gpu = values, *dp = values + n, *longest_tokens = values + 2 * n;
+    long long *gpu = values, *dp = values + n;
     int any_fresh = 0;
     double until = INFINITY; /* when the first fresh instance goes stale: the answer holds until then */
     for (Py_ssize_t i = 0; i < n; i++) {
-        longest_tokens[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(longest, i));
-        if (longest_tokens[i] == -1 && PyErr_Occurred()) {
-            goto fail;
-        }
-        hits_t instance_hits;
-        if (hits_of(PyTuple_GET_ITEM(hits, i), &instance_hits) != 0) {
+        if (!PyDict_Check(PyTuple_GET_ITEM(cells, i))) {
+            PyErr_SetString(PyExc_TypeError, "cells are dicts");
             goto fail;
         }
         PyObject *loads = PyDict_GetItemWithError(live, PyTuple_GET_ITEM(streams, i)); /* borrowed */
         if (loads == NULL && PyErr_Occurred()) {
             goto fail;
         }
-        const int status = score_instance(&p, &instance_hits, loads, now, stale_after, spread, &scored[i]);
+        const int status = score_instance(&p, &instances[i].hits, loads, now, stale_after, spread, &scored[i]);
         if (status < 0) {
             goto fail;
         }
@@ -479,13 +535,12 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
         dp[best] = (long long)nearbyint(anchor);
     }
     /* The text: {"<tenant>":{<entries>}} */
-    if (text_room(&text, (size_t)n * 512 + 64) || TEXT_LIT(&text, "{") || text_bytes(&text, tenant) ||
+    if (text_room(&text, (size_t)n * 512 + 64) || TEXT_LIT(&text, "{") || text_raw(&text, tenant, tenant_len) ||
         TEXT_LIT(&text, ":{")) {
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if ((i && TEXT_LIT(&text, ",")) || text_entry(&text, PyTuple_GET_ITEM(names, i), PyTuple_GET_ITEM(keys, i),
-                                                      &scored[i], longest_tokens[i], gpu[i], dp[i], p.block_size)) {
+        if ((i && TEXT_LIT(&text, ",")) || text_entry(&text, &instances[i], &scored[i], gpu[i], dp[i], p.block_size)) {
             goto fail;
         }
     }
@@ -553,14 +608,15 @@ fail:
     if (scored != stack_scored) {
         PyMem_Free(scored);
     }
+    PyMem_Free(instances);
     return out;
 }
 
 static PyMethodDef answer_methods[] = {
     {"rank_answer", answer_rank_answer, METH_VARARGS,
-     "rank_answer(tenant, names, keys, streams, hits, longest, live, now, stale_after, isl, spread, block_size, "
-     "weights, prefill_scale, overlap_credit, load_weight, cells, resolve) -> False | None | (json, best, "
-     "commit_rank, commit_tokens, adds, best_blocks, scored, until): the rank-aware /query answer (see _answer.c)."},
+     "rank_answer(board, streams, packed, now, stale_after, isl, spread, cells, resolve) -> False | None | "
+     "(json, best, commit_rank, commit_tokens, adds, best_blocks, scored, until): the rank-aware /query answer "
+     "(see _answer.c)."},
     {NULL, NULL, 0, NULL},
 };
 

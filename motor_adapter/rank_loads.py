@@ -17,6 +17,7 @@ import dataclasses
 import math
 import threading
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 
 from sglang_kvpub import wire
@@ -47,9 +48,17 @@ class InstanceLoads:
 
 
 # One instance's loads as /query scores them, replaced whole on every report and commit (one
-# dict read gives a consistent set): received (monotonic), the token (RankLoadBook.token),
-# the current loads (RankLoadBook.current) and their sum (left to right, as sum()).
-LiveLoads = tuple[float, tuple[int, int], tuple[float, ...], float]
+# dict read gives a consistent set): received (monotonic), the token (RankLoadBook.token), and
+# packed, what the C renderer reads (RankLoadBook.packed_loads): native doubles - received,
+# the loads' sum (left to right, as sum()), each rank's current load (RankLoadBook.current) -
+# in a few cache lines, where a tuple's float objects lie all over the heap.
+LiveLoads = tuple[float, tuple[int, int], bytes]
+
+
+def _pack_loads(received: float, loads: Sequence[float]) -> bytes:
+    packed = array("d", (received, sum(loads)))
+    packed.extend(loads)
+    return packed.tobytes()
 
 
 class RankLoadBook:
@@ -59,6 +68,7 @@ class RankLoadBook:
         self.stale_after_s = stale_after_s
         self._by_instance: dict[str, InstanceLoads] = {}
         self._live: dict[str, LiveLoads] = {}
+        self._packed: dict[str, bytes] = {}  # each live entry's packed part, for the C renderer
         # Writers: subscriber threads (apply) and the HTTP loop (commit, forget); readers take none.
         self._write = threading.Lock()
         # Tokens committed to a rank by /query answers since the instance's last report (the
@@ -100,7 +110,9 @@ class RankLoadBook:
                 report.loads.period_s,
                 self._version,
             )
-            self._live[instance] = (received, (self._version, 0), current, sum(current))
+            packed = _pack_loads(received, current)
+            self._live[instance] = (received, (self._version, 0), packed)
+            self._packed[instance] = packed
             self.changes += 1
 
     def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
@@ -141,9 +153,9 @@ class RankLoadBook:
             out.append(found[1])
         return tuple(out), until
 
-    def live_loads(self) -> Mapping[str, LiveLoads]:
-        """Every instance's :data:`LiveLoads` (read-only: the C renderer reads it in one call)."""
-        return self._live
+    def packed_loads(self) -> Mapping[str, bytes]:
+        """Every instance's packed live loads (read-only: the C renderer reads it in one call)."""
+        return self._packed
 
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
@@ -174,20 +186,24 @@ class RankLoadBook:
             extra[rank] = extra.get(rank, 0.0) + tokens
             count = self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
             live = self._live.get(instance)
-            if live is not None and live[1][0] == figures.version and rank < len(live[2]):
+            if live is not None and live[1][0] == figures.version and rank < len(figures.loads):
                 # Only this rank's figure moved: base + its commits, as current() computes it.
-                loads = list(live[2])
-                loads[rank] = figures.loads[rank] + extra[rank]
-                current = tuple(loads)
+                packed = array("d")
+                packed.frombytes(live[2])
+                packed[2 + rank] = figures.loads[rank] + extra[rank]
+                packed[1] = sum(packed[2:])
+                fresh = packed.tobytes()
             else:
-                current = self.current(figures, instance)
-            self._live[instance] = (figures.received, (figures.version, count), current, sum(current))
+                fresh = _pack_loads(figures.received, self.current(figures, instance))
+            self._live[instance] = (figures.received, (figures.version, count), fresh)
+            self._packed[instance] = fresh
             self.changes += 1
 
     def forget(self, instance: str) -> None:
         with self._write:
             self._by_instance.pop(instance, None)
             self._live.pop(instance, None)
+            self._packed.pop(instance, None)
             self._commits.pop(instance, None)
             self._committed.pop(instance, None)
             self._commit_count.pop(instance, None)

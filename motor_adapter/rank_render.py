@@ -80,33 +80,47 @@ def static_inputs(
 
 class RankTable:
     """One walk result's part of the inputs (remembered per view by the result's identity):
-    each instance's ``(rank, npu, cpu, disk)`` hits (int64 bytes), its longest hit in tokens, and the metrics
-    cells of its ranks (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
+    the board (one bytes object, ``_answer.c`` reads it front to back: the cost's constants,
+    the tenant, and per instance its JSON name and dp key, its longest hit in tokens and its
+    ``(rank, npu, cpu, disk)`` hits), and the metrics cells of each instance's ranks
+    (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
 
-    __slots__ = ("all_hits", "best", "cells", "hits", "longest", "resolve")
+    __slots__ = ("all_hits", "best", "board", "cells", "resolve")
 
     def __init__(
         self,
+        static: RankStatic,
+        params: CostParams,
         best: Mapping[str, Any],
         all_hits: Mapping[str, Mapping[int, TierHit]],
-        streams: Sequence[str],
         block_size: int,
         resolve: Callable[[RankTable, int, int], Cells],
     ) -> None:
         self.best = best  # kept alive: the table is remembered by its id
         self.all_hits = all_hits
-        per_stream = [all_hits.get(stream, {}) for stream in streams]
-        self.hits = tuple(
-            array(
+        words = array("q", (len(static.names), params.block_size))
+        weights = (params.w_npu, params.w_cpu, params.w_disk, params.prefill_load_scale, params.overlap_credit)
+        board = bytearray(words.tobytes() + array("d", (*weights, params.load_weight)).tobytes())
+        _text(board, static.tenant)
+        for name, key, stream in zip(static.names, static.keys, static.streams, strict=True):
+            ranks = all_hits.get(stream, {})
+            longest = max((h.total_blocks for h in ranks.values()), default=0) * block_size
+            board += array("q", (len(name), len(key), longest, len(ranks))).tobytes()
+            _text(board, name, counted=False)
+            _text(board, key, counted=False)
+            board += array(
                 "q", [x for rank, h in ranks.items() for x in (rank, h.npu_blocks, h.cpu_blocks, h.disk_blocks)]
             ).tobytes()
-            for ranks in per_stream
-        )
-        self.longest = tuple(
-            max((h.total_blocks for h in ranks.values()), default=0) * block_size for ranks in per_stream
-        )
-        self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in streams)
+        self.board = bytes(board)
+        self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in static.names)
         self.resolve = lambda i, rank: resolve(self, i, rank)
+
+
+def _text(board: bytearray, text: bytes, counted: bool = True) -> None:
+    """``text`` onto the board padded to 8 bytes, after its length when ``counted``."""
+    if counted:
+        board += array("q", (len(text),)).tobytes()
+    board += text + b"\0" * (-len(text) % 8)
 
 
 def render(
@@ -124,22 +138,13 @@ def render(
     if params.hotspot_spread is not None or params.hotspot_relative is not None:
         return None  # the helper has no hot-spot guard (the adapter never sets one)
     got = NATIVE.rank_answer(
-        static.tenant,
-        static.names,
-        static.keys,
+        table.board,
         static.streams,
-        table.hits,
-        table.longest,
-        book.live_loads(),
+        book.packed_loads(),
         now,
         book.stale_after_s,
         isl,
         spread,
-        params.block_size,
-        (params.w_npu, params.w_cpu, params.w_disk),
-        params.prefill_load_scale,
-        params.overlap_credit,
-        params.load_weight,
         table.cells,
         table.resolve,
     )

@@ -116,9 +116,8 @@ class _View:
     rank_static: Union[rank_render.RankStatic, None] = None
     rank_params: Union[CostParams, None] = None  # the rank cost's constants at this block size
     rank_tables: dict[int, rank_render.RankTable] = dataclasses.field(default_factory=dict)
-    rank_rendered: dict[tuple[int, int, int], tuple[int, Any, rank_render.Rendered]] = dataclasses.field(
-        default_factory=dict
-    )
+    # The last rendered answer: (walk result id, isl, spread, book changes, walk result, answer).
+    rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 6)
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -600,29 +599,33 @@ class AdapterState:
         """The rank-aware answer of walk result ``best`` rendered in C (``rank_render.render``:
         False without fresh loads, None when it declines, and the reference answers).
 
-        Remembered by (walk result, ``isl``, ``spread``) while the book does not change (its
-        ``changes``: every report, effective commit and forget) and no instance goes stale: a
-        repeated prompt (a retry, several routers asking) is answered again without rendering."""
-        assert view.affinity is not None and view.rank_static is not None and view.rank_params is not None
-        book = view.affinity.loads
+        The last one is kept: asked again for the same walk result, ``isl`` and ``spread``
+        while the book has not changed (its ``changes``: every report, effective commit and
+        forget) and no instance has gone stale, it is answered again without rendering - a
+        prompt asked again and again (a retry, several routers, a poll) costs no render, and
+        a stream of new prompts costs one slot, not a memo to fill and clear."""
+        static, params, affinity = view.rank_static, view.rank_params, view.affinity
+        assert static is not None and params is not None and affinity is not None
+        book = affinity.loads
         changes = book.changes  # read first: a change while rendering is seen next time
         now = time.monotonic()
-        key = (id(best), isl, spread)
-        seen = view.rank_rendered.get(key)
-        if seen is not None and seen[0] == changes and seen[1] is best and now < seen[2][7]:
-            return seen[2]
+        last = view.rank_last
+        same = last[0] == id(best) and last[4] is best and last[1] == isl and last[2] == spread
+        if same and last[3] == changes and now < last[5][7]:
+            got: rank_render.Rendered = last[5]
+            return got
         table = view.rank_tables.get(id(best))
         if table is None or table.best is not best:
             # The per-rank hits of these walk ends: one walk more when they first appear.
-            all_hits = view.affinity.hits_for_keys(keys)
+            all_hits = affinity.hits_for_keys(keys)
             table = rank_render.RankTable(
-                best, all_hits, view.rank_streams, block_size, self._rank_cells(view, block_size)
+                static, params, best, all_hits, block_size, self._rank_cells(view, block_size)
             )
             _remember(view.rank_tables, id(best), table)
-        got = rank_render.render(view.rank_static, table, book, now, isl, spread, view.rank_params)
-        if got:
-            _remember(view.rank_rendered, key, (changes, best, got))
-        return got
+        rendered = rank_render.render(static, table, book, now, isl, spread, params)
+        if rendered:
+            last[:] = (id(best), isl, spread, changes, best, rendered)
+        return rendered
 
     def _rank_cells(
         self, view: _View, block_size: int
