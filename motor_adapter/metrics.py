@@ -121,11 +121,20 @@ class Histogram(_Metric):
         self.observe_labels(value, _key(labels))
 
     def observe_labels(self, value: float, labels: Labels) -> None:
+        series = self.series(labels)
+        series[bisect.bisect_left(self.buckets, value)] += 1
+        series[-1] += value
+
+    def series(self, labels: Labels) -> list[float]:
+        """The live counts of a series (``labels`` as for ``Counter.inc_labels``; created with
+        none): one count per bucket of :attr:`buckets` (not cumulative), then +Inf's, then the
+        sum.  A caller that keeps it observes ``value`` with
+        ``series[bisect_left(buckets, value)] += 1; series[-1] += value``: no label hashing
+        per observation, as :meth:`Counter.cell`."""
         series = self._series.get(labels)
         if series is None:
             series = self._series[labels] = [0.0] * (len(self.buckets) + 2)
-        series[bisect.bisect_left(self.buckets, value)] += 1
-        series[-1] += value
+        return series
 
     def count(self, **labels: object) -> int:
         series = self._series.get(_key(labels))
