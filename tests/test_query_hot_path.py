@@ -367,6 +367,30 @@ def test_a_remembered_walk_refreshes_recency_as_a_walk_does() -> None:
 
 
 @pytest.mark.unit
+def test_prompt_cache_evicts_the_least_recently_used_with_repeated_hits() -> None:
+    """A hit on the most recent entry leaves the order as it is; any other hit makes it the
+    most recent: the entry out next is always the least recently put or hit."""
+    cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
+    bodies = {name: name.encode() * 50 for name in "ABCDE"}
+
+    def put(name: str) -> None:
+        for _ in range(2):  # kept from the second sight on
+            cache.put(cache.key(bodies[name], True), bodies[name], _Prompt(MODEL, "default", BS, [ord(name)], 1))
+
+    def held(name: str) -> bool:
+        return cache.get(cache.key(bodies[name], True), bodies[name]) is not None
+
+    for name in "ABC":
+        put(name)
+    assert held("A") and held("A")  # B C A
+    put("D")  # B out: C A D
+    assert held("C")  # A D C
+    put("E")  # A out: D C E
+    assert not held("A") and not held("B")
+    assert held("D") and held("C") and held("E")
+
+
+@pytest.mark.unit
 def test_prompt_cache_confirms_the_body_and_stays_bounded() -> None:
     cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
     bodies = [bytes([i]) * 100 for i in range(5)]
