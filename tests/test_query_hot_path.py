@@ -129,6 +129,65 @@ def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
     }
 
 
+def _walk_reference(keys: list[int], masks: dict[int, int], held: int) -> tuple[list[tuple[int, int]], int]:
+    """``wide_walk``'s contract in Python: (position, workers whose prefix ends there), depth."""
+    ends: list[tuple[int, int]] = []
+    position = 0
+    for key in keys:
+        holders = masks.get(key, 0)
+        kept = held & (holders if holders >= 0 else 1 << ~holders)
+        if kept != held and position:
+            ends.append((position, held ^ kept))
+        held = kept
+        if not held:
+            return ends, position
+        position += 1
+    if position:
+        ends.append((position, held))
+    return ends, position
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(
+    words=st.integers(1, 16),
+    data=st.data(),
+)
+def test_wide_walk_reads_masks_of_every_width_exactly(words: int, data: st.DataObject) -> None:
+    """Worker masks of one to 16 words, bits at every digit and word boundary, ``~wid``
+    single holders among them: the C walk's ends are the Python contract's."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    width = 64 * words
+    bit = st.integers(0, width - 1)
+    mask = st.one_of(
+        st.integers(0, (1 << width) - 1),
+        st.sets(bit, max_size=6).map(lambda bits: sum(1 << b for b in bits)),
+        bit.map(lambda b: ~b),  # one holder
+    )
+    keys = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=24))
+    masks = data.draw(st.dictionaries(st.integers(1, 40), mask, max_size=40))
+    held = data.draw(st.integers(0, (1 << width) - 1))
+    assert hashing.NATIVE.wide_walk(keys, masks, held, words) == _walk_reference(keys, masks, held)
+
+
+@pytest.mark.unit
+def test_wide_walk_refuses_a_mask_wider_than_its_words() -> None:
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    for words in (1, 2, 3):
+        top = (1 << (64 * words)) - 1
+        assert hashing.NATIVE.wide_walk([5], {5: top}, top, words) == ([(1, top)], 1)
+        with pytest.raises(OverflowError):
+            hashing.NATIVE.wide_walk([5], {5: 1 << (64 * words)}, 1, words)
+        with pytest.raises(OverflowError):
+            hashing.NATIVE.wide_walk([5], {5: (1 << (64 * words + 40)) | 1}, 1, words)
+
+
 @pytest.mark.unit
 def test_wide_walk_refuses_a_word_count_out_of_range() -> None:
     from sglang_kvpub.core import hashing
