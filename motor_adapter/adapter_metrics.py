@@ -93,6 +93,7 @@ class AdapterMetrics:
         # (the latency histogram's series, query_blocks' cell, hit_blocks' cell) per model
         self._model_cells: dict[str, tuple[list[float], list[float], list[float]]] = {}
         self._latency_buckets = self.latency.buckets
+        self._repeat_hits = self.instance_hits.repeat
         self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
 
     def observe_hits(
@@ -166,9 +167,10 @@ class AdapterMetrics:
         latency[bisect_left(self._latency_buckets, elapsed)] += 1  # Histogram.series' layout
         latency[-1] += elapsed
         queried[0] += blocks
-        for cell, count in tally.adds:
-            cell[0] += count
-        hit_blocks[0] += min(tally.best, blocks)
+        if tally.adds:
+            self._repeat_hits(tally.adds)  # the same tally's cells are folded in once per read
+        best = tally.best
+        hit_blocks[0] += best if best < blocks else blocks
 
     def missed_registration(self, model: str, tenant: str) -> None:
         """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""
