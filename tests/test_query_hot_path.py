@@ -334,9 +334,15 @@ def _deeper_on_rank_1(index: PrefixIndex, tokens: list[int]) -> None:
     _store(index, "a", 1, tokens)
 
 
+def _deeper_by_batch(index: PrefixIndex, tokens: list[int]) -> None:
+    event = wire.BlockStored(block_hashes=[4], parent_block_hash=3, token_ids=tokens[3 * IBS :], block_size=IBS)
+    index.apply_batch("a", wire.EventBatch(ts=0.0, events=[event], dp_rank=0))
+
+
 def _deeper_by_event(index: PrefixIndex, tokens: list[int]) -> None:
-    event = wire.BlockStored(block_hashes=[11, 12, 13, 14], token_ids=tokens, block_size=IBS, medium=wire.MEDIUM_GPU)
-    index.apply_event("a", 1, event)
+    """Rank 0's chain one block deeper: a known worker, the same workers asked."""
+    event = wire.BlockStored(block_hashes=[4], parent_block_hash=3, token_ids=tokens[3 * IBS :], block_size=IBS)
+    index.apply_event("a", 0, event)
 
 
 def _removed(index: PrefixIndex, tokens: list[int]) -> None:
@@ -353,7 +359,8 @@ def _evicted(index: PrefixIndex, tokens: list[int]) -> None:
 
 
 _WRITERS = {
-    "apply_batch": _deeper_on_rank_1,
+    "apply_batch": _deeper_by_batch,
+    "apply_batch_new_rank": _deeper_on_rank_1,
     "apply_event": _deeper_by_event,
     "removal": _removed,
     "all_blocks_cleared": _all_cleared,
@@ -417,7 +424,8 @@ def test_a_remembered_walk_refreshes_recency_as_a_walk_does() -> None:
     _store(index, "a", 0, often)
     _store(index, "a", 1, once)  # 8 of 12 entries: queries refresh recency
     often_keys, once_keys = sequence_keys(often, IBS), sequence_keys(once, IBS)
-    assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}
+    for _ in range(2):  # walked twice: remembered
+        assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}
     assert index.deepest_npu(once_keys, asked) == {"a": (1, TierHit(4, 0, 0))}
     assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}  # remembered: no change since
     _store(index, "a", 2, list(range(200, 200 + 5 * IBS)))  # 13 > 12: the 2 least recent entries go

@@ -102,6 +102,7 @@ _NATIVE_HELD_LIMIT = 1 << 64  # the C walk takes worker masks of at most 64 bits
 _WIDE_WORDS_MAX = 16  # the C wide walk's masks: at most 16 u64 words (1024 workers)
 _DEEPEST_SEEN_MAX = 4096  # remembered walk ends -> per-instance deepest ranks
 _WALKS_MAX = 1024  # deepest_npu's walks remembered while the index is unchanged
+_UNSEEN = object()  # deepest_npu: keys not walked since the index last changed
 _NO_HITS: Mapping[str, tuple[int, TierHit]] = MappingProxyType({})  # deepest_npu's one answer for no hit
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
@@ -277,8 +278,8 @@ class PrefixIndex:
         self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
         self._deepest_seen: dict[tuple[tuple[int, int], ...], dict[str, tuple[int, TierHit]]] = {}
         # deepest_npu's walks since the index last changed (every writer clears it): last key ->
-        # (allowed workers, the keys walked, the answer, the depth)
-        self._walks: dict[int, tuple[int, list[int], Mapping[str, tuple[int, TierHit]], int]] = {}
+        # (allowed workers, the keys walked, the answer, the depth), None after one walk
+        self._walks: dict[int, tuple[int, Sequence[int], Mapping[str, tuple[int, TierHit]], int] | None] = {}
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -386,11 +387,13 @@ class PrefixIndex:
         ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits.
         Queries whose walks end alike get the same mapping object: never mutate it.
 
-        A walk of a list of keys is remembered until the index next changes (every writer
+        A list of keys walked twice is remembered until the index next changes (every writer
         forgets them all): the same keys asked again for the same workers give the same
         answer without a walk - a prompt sent again (a retry, a repeated prompt, several
         routers asking) between two changes.  Exact: a remembered walk answers only keys equal
-        to the ones it walked, and the recency touch runs as after a walk."""
+        to the ones it walked, and the recency touch runs as after a walk.  The first walk of
+        some keys only leaves a mark: under ingest the index changes between most queries, and
+        keeping a copy of every walk's keys would cost more than it saves."""
         with self._lock:
             if self._masks[1] or self._masks[2]:
                 return None
@@ -399,16 +402,18 @@ class PrefixIndex:
                 return _NO_HITS
             allowed = self._instance_mask(instances)
             walks = self._walks
-            walked = walks.get(keys[-1]) if type(keys) is list else None
-            if walked is not None and walked[0] == allowed and walked[1] == keys:
+            remember = type(keys) is list
+            walked = walks.get(keys[-1], _UNSEEN) if remember else _UNSEEN
+            if type(walked) is tuple and walked[0] == allowed and walked[1] == keys:
                 found, position = walked[2], walked[3]
             else:
                 leaves, position = self._npu_leaves(keys, allowed)
                 found = self._deepest_of(leaves) if leaves else _NO_HITS
-                if type(keys) is list:
+                if remember:
                     if len(walks) >= _WALKS_MAX:
                         walks.clear()
-                    walks[keys[-1]] = (allowed, keys[:], found, position)  # a copy: the caller's list may change
+                    # a copy of the keys: the caller's list may change
+                    walks[keys[-1]] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
             if position and self._refresh():
                 self._touch(keys[:position])
             return found
