@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Union
 
@@ -89,7 +90,10 @@ class AdapterMetrics:
         self._scored_cells: dict[tuple[str, int], list[float]] = {}
         self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
         # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
-        self._model_cells: dict[str, tuple[metrics.Labels, list[float], list[float]]] = {}
+        # (the latency histogram's series, query_blocks' cell, hit_blocks' cell) per model
+        self._model_cells: dict[str, tuple[list[float], list[float], list[float]]] = {}
+        self._latency_buckets = self.latency.buckets
+        self._repeat_hits = self.instance_hits.repeat
         self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
 
     def observe_hits(
@@ -152,13 +156,16 @@ class AdapterMetrics:
                 self._model_cells.clear()  # only a cache: the counters keep their series
             labels: metrics.Labels = (("model", model),)
             queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
-            per_model = self._model_cells[model] = (labels, queried_cell, hit_cell)
-        model_labels, queried, hit_blocks = per_model
-        self.latency.observe_labels(time.perf_counter() - started, model_labels)
+            per_model = self._model_cells[model] = (self.latency.series(labels), queried_cell, hit_cell)
+        latency, queried, hit_blocks = per_model
+        elapsed = time.perf_counter() - started
+        latency[bisect_left(self._latency_buckets, elapsed)] += 1  # Histogram.series' layout
+        latency[-1] += elapsed
         queried[0] += blocks
-        for cell, count in tally.adds:
-            cell[0] += count
-        hit_blocks[0] += min(tally.best, blocks)
+        if tally.adds:
+            self._repeat_hits(tally.adds)  # the same tally's cells are folded in once per read
+        best = tally.best
+        hit_blocks[0] += best if best < blocks else blocks
 
     def missed_registration(self, model: str, tenant: str) -> None:
         """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""

@@ -137,6 +137,7 @@ class _PromptCache:
         self.max_seen = max_seen
         self._entries: dict[int, tuple[bytes, _Prompt]] = {}
         self._bytes = 0
+        self._newest = -1  # the key last put or moved to the end of _entries (keys are >= 0)
         self._seen: OrderedDict[int, None] = OrderedDict()  # digests seen once, oldest first out
 
     @staticmethod
@@ -146,10 +147,13 @@ class _PromptCache:
         return (_xxh3_128(raw) << 1) | is_msgpack
 
     def get(self, key: int, raw: bytes) -> _Prompt | None:
-        entry = self._entries.pop(key, None)
+        entry = self._entries.get(key)
         if entry is None:
             return None
-        self._entries[key] = entry  # most recent last
+        if key != self._newest:  # a prompt sent again and again is already the most recent
+            del self._entries[key]
+            self._entries[key] = entry  # most recent last
+            self._newest = key
         return entry[1] if entry[0] == raw else None
 
     def put(self, key: int, raw: bytes, prompt: _Prompt) -> None:
@@ -162,6 +166,7 @@ class _PromptCache:
         if old is not None:
             self._bytes -= _entry_bytes(*old)
         self._entries[key] = (raw, prompt)
+        self._newest = key
         self._bytes += size
         while self._bytes > self.max_bytes or len(self._entries) > self.max_entries:
             oldest = next(iter(self._entries))

@@ -117,9 +117,10 @@ def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
         pytest.skip("the C helpers are not built here: only the Python walk exists")
     index, keys, instances = _indexed(stores, query, asked, prompts=3)
     in_c = index.deepest_npu(keys, instances)
+    twin, _, _ = _indexed(stores, query, asked, prompts=3)  # the same masks, no walk remembered
     native, hashing.NATIVE = hashing.NATIVE, None
     try:
-        in_python = index.deepest_npu(keys, instances)
+        in_python = twin.deepest_npu(keys, instances)
     finally:
         hashing.NATIVE = native
     assert in_c == in_python
@@ -127,6 +128,65 @@ def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
     assert {k: (r, h.npu_blocks) for k, (r, h) in in_c.items()} == {
         k: (r, h.npu_blocks) for k, (r, h) in _fold(index, keys, instances).items()
     }
+
+
+def _walk_reference(keys: list[int], masks: dict[int, int], held: int) -> tuple[list[tuple[int, int]], int]:
+    """``wide_walk``'s contract in Python: (position, workers whose prefix ends there), depth."""
+    ends: list[tuple[int, int]] = []
+    position = 0
+    for key in keys:
+        holders = masks.get(key, 0)
+        kept = held & (holders if holders >= 0 else 1 << ~holders)
+        if kept != held and position:
+            ends.append((position, held ^ kept))
+        held = kept
+        if not held:
+            return ends, position
+        position += 1
+    if position:
+        ends.append((position, held))
+    return ends, position
+
+
+@pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(
+    words=st.integers(1, 16),
+    data=st.data(),
+)
+def test_wide_walk_reads_masks_of_every_width_exactly(words: int, data: st.DataObject) -> None:
+    """Worker masks of one to 16 words, bits at every digit and word boundary, ``~wid``
+    single holders among them: the C walk's ends are the Python contract's."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    width = 64 * words
+    bit = st.integers(0, width - 1)
+    mask = st.one_of(
+        st.integers(0, (1 << width) - 1),
+        st.sets(bit, max_size=6).map(lambda bits: sum(1 << b for b in bits)),
+        bit.map(lambda b: ~b),  # one holder
+    )
+    keys = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=24))
+    masks = data.draw(st.dictionaries(st.integers(1, 40), mask, max_size=40))
+    held = data.draw(st.integers(0, (1 << width) - 1))
+    assert hashing.NATIVE.wide_walk(keys, masks, held, words) == _walk_reference(keys, masks, held)
+
+
+@pytest.mark.unit
+def test_wide_walk_refuses_a_mask_wider_than_its_words() -> None:
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    for words in (1, 2, 3):
+        top = (1 << (64 * words)) - 1
+        assert hashing.NATIVE.wide_walk([5], {5: top}, top, words) == ([(1, top)], 1)
+        with pytest.raises(OverflowError):
+            hashing.NATIVE.wide_walk([5], {5: 1 << (64 * words)}, 1, words)
+        with pytest.raises(OverflowError):
+            hashing.NATIVE.wide_walk([5], {5: (1 << (64 * words + 40)) | 1}, 1, words)
 
 
 @pytest.mark.unit
@@ -186,6 +246,217 @@ def test_deepest_npu_remembers_a_walk_until_its_worker_ids_name_other_ranks() ->
     assert index.deepest_npu(keys, ("a", "b")) == {"b": (5, TierHit(3, 0, 0))}
     _store(index, "b", 2, tokens[: 2 * IBS])  # a new rank: other ends
     assert index.deepest_npu(keys, ("a", "b")) == {"b": (5, TierHit(3, 0, 0))}
+
+
+_MEMO_STEPS = (
+    "store",  # apply_batch
+    "store_event",  # apply_event
+    "remove",
+    "all_cleared",
+    "clear_rank",
+    "clear_rank_gpu",
+    "clear_instance",
+    "cpu",  # another tier holds blocks: deepest_npu defers
+    "clear_rank_cpu",
+    "change_keys",  # the caller's keys list changed in place: cut short, its first key replaced, restored
+)
+
+
+@pytest.mark.unit
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    steps=st.lists(st.sampled_from(_MEMO_STEPS), min_size=1, max_size=30),
+    capacity=st.sampled_from([None, 12, 30]),
+)
+def test_a_remembered_walk_follows_every_change_of_the_index(seed: int, steps: list[str], capacity: int | None) -> None:
+    """``deepest_npu`` remembers a walk until the index changes: after every writer (a store
+    by batch or by event, a removal, an all-cleared, a rank cleared in every tier or in one,
+    an instance cleared, evictions past ``capacity``), the same keys list - changed in place
+    or not - asked for any instances answers what the fold of ``query_keys`` answers now;
+    asked twice with no change between, the second answer is the first."""
+    rng = random.Random(seed)
+    index = PrefixIndex(IBS, capacity_blocks=capacity)
+    tokens = [rng.randrange(1000) for _ in range(8 * IBS)]
+    keys = sequence_keys(tokens, IBS)
+    full = list(keys)
+    held: dict[tuple[str, int], list[int]] = {}  # (instance, rank) -> its GPU chain's engine hashes
+    for step in steps:
+        instance, rank = rng.choice("abc"), rng.randrange(3)
+        chain = held.setdefault((instance, rank), [])
+        if step in ("store", "store_event", "cpu") and len(chain) < len(full):
+            more = rng.randint(1, len(full) - len(chain))
+            hashes = [rng.getrandbits(62) + 1 for _ in range(more)]
+            medium = wire.MEDIUM_CPU if step == "cpu" else wire.MEDIUM_GPU
+            event = wire.BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=chain[-1] if chain else None,
+                token_ids=tokens[len(chain) * IBS : (len(chain) + more) * IBS],
+                block_size=IBS,
+                medium=medium,
+            )
+            if step == "store_event":
+                index.apply_event(instance, rank, event)
+            else:
+                index.apply_batch(instance, wire.EventBatch(ts=0.0, events=[event], dp_rank=rank))
+            if step != "cpu":
+                chain.extend(hashes)
+        elif step == "remove" and chain:
+            cut = rng.randrange(len(chain))
+            removed = wire.BlockRemoved(block_hashes=chain[cut:], medium=wire.MEDIUM_GPU)
+            index.apply_batch(instance, wire.EventBatch(ts=0.0, events=[removed], dp_rank=rank))
+            del chain[cut:]
+        elif step == "all_cleared":
+            index.apply_batch(instance, wire.EventBatch(ts=0.0, events=[wire.AllBlocksCleared()], dp_rank=rank))
+            chain.clear()
+        elif step in ("clear_rank", "clear_rank_gpu"):
+            index.clear_rank(instance, rank, wire.MEDIUM_GPU if step == "clear_rank_gpu" else None)
+            chain.clear()
+        elif step == "clear_rank_cpu":
+            index.clear_rank(instance, rank, wire.MEDIUM_CPU)
+        elif step == "clear_instance":
+            index.clear_instance(instance)
+            for (held_instance, _), hashes in held.items():
+                if held_instance == instance:
+                    hashes.clear()
+        elif step == "change_keys":
+            keys[:] = rng.choice([full[: rng.randint(1, len(full))], [12345, *full[1:]], full])
+        for asked in (("a", "b"), ("b", "c"), ("a",)):
+            first = index.deepest_npu(keys, asked)
+            assert index.deepest_npu(keys, asked) is first
+            if first is None:
+                continue  # a CPU tier holds blocks: query_keys is the answer (covered elsewhere)
+            assert {k: (r, h.npu_blocks) for k, (r, h) in first.items()} == {
+                k: (r, h.npu_blocks) for k, (r, h) in _fold(index, keys, asked).items()
+            }
+
+
+def _deeper_on_rank_1(index: PrefixIndex, tokens: list[int]) -> None:
+    _store(index, "a", 1, tokens)
+
+
+def _deeper_by_batch(index: PrefixIndex, tokens: list[int]) -> None:
+    event = wire.BlockStored(block_hashes=[4], parent_block_hash=3, token_ids=tokens[3 * IBS :], block_size=IBS)
+    index.apply_batch("a", wire.EventBatch(ts=0.0, events=[event], dp_rank=0))
+
+
+def _deeper_by_event(index: PrefixIndex, tokens: list[int]) -> None:
+    """Rank 0's chain one block deeper: a known worker, the same workers asked."""
+    event = wire.BlockStored(block_hashes=[4], parent_block_hash=3, token_ids=tokens[3 * IBS :], block_size=IBS)
+    index.apply_event("a", 0, event)
+
+
+def _removed(index: PrefixIndex, tokens: list[int]) -> None:
+    removed = wire.BlockRemoved(block_hashes=[3], medium=wire.MEDIUM_GPU)
+    index.apply_batch("a", wire.EventBatch(ts=0.0, events=[removed], dp_rank=0))
+
+
+def _all_cleared(index: PrefixIndex, tokens: list[int]) -> None:
+    index.apply_batch("a", wire.EventBatch(ts=0.0, events=[wire.AllBlocksCleared()], dp_rank=0))
+
+
+def _evicted(index: PrefixIndex, tokens: list[int]) -> None:
+    _store(index, "b", 0, list(range(500, 500 + 6 * IBS)))  # 10 > 8 entries: the least recent 3 go
+
+
+_WRITERS = {
+    "apply_batch": _deeper_by_batch,
+    "apply_batch_new_rank": _deeper_on_rank_1,
+    "apply_event": _deeper_by_event,
+    "removal": _removed,
+    "all_blocks_cleared": _all_cleared,
+    "clear_rank": lambda index, tokens: index.clear_rank("a", 0),
+    "clear_rank_gpu": lambda index, tokens: index.clear_rank("a", 0, wire.MEDIUM_GPU),
+    "clear_instance": lambda index, tokens: index.clear_instance("a"),
+    "eviction": _evicted,
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("writer", list(_WRITERS))
+def test_every_writer_changes_the_next_answer_to_the_same_keys(writer: str) -> None:
+    """A walk is remembered until the index changes: each way the index changes between two
+    queries of the same keys list shows in the second answer."""
+    index = PrefixIndex(IBS, capacity_blocks=8)
+    tokens = list(range(4 * IBS))
+    index.apply_batch(
+        "a",
+        wire.EventBatch(
+            ts=0.0,
+            events=[wire.BlockStored(block_hashes=[1, 2, 3], token_ids=tokens[: 3 * IBS], block_size=IBS)],
+            dp_rank=0,
+        ),
+    )
+    keys = sequence_keys(tokens, IBS)
+    before = index.deepest_npu(keys, ("a", "b"))
+    assert before == {"a": (0, TierHit(3, 0, 0))}
+    assert index.deepest_npu(keys, ("a", "b")) is before  # remembered
+    _WRITERS[writer](index, tokens)
+    after = index.deepest_npu(keys, ("a", "b"))
+    assert after != before
+    assert after is not None
+    assert {k: (r, h.npu_blocks) for k, (r, h) in after.items()} == {
+        k: (r, h.npu_blocks) for k, (r, h) in _fold(index, keys, ("a", "b")).items()
+    }
+
+
+@pytest.mark.unit
+def test_a_remembered_walk_answers_only_the_keys_it_walked() -> None:
+    """The caller's list changed in place (its last key kept) or other instances asked: a
+    walk of their own, not the remembered one."""
+    index = PrefixIndex(IBS)
+    tokens = list(range(3 * IBS))
+    _store(index, "a", 0, tokens)
+    keys = sequence_keys(tokens, IBS)
+    assert index.deepest_npu(keys, ("a",)) == {"a": (0, TierHit(3, 0, 0))}
+    assert index.deepest_npu(keys, ("b",)) == {}
+    assert index.deepest_npu(keys, ("a",)) == {"a": (0, TierHit(3, 0, 0))}
+    keys[0] = 12345  # no one holds this block 0
+    assert index.deepest_npu(keys, ("a",)) == {}
+
+
+@pytest.mark.unit
+def test_a_remembered_walk_refreshes_recency_as_a_walk_does() -> None:
+    """Past half its capacity the index moves a query's matched keys to the recent end; a
+    query answered from a remembered walk must too, or the prompt asked again would be
+    evicted before one asked once since."""
+    index = PrefixIndex(IBS, capacity_blocks=12)
+    asked, often, once = ("a",), list(range(4 * IBS)), list(range(100, 100 + 4 * IBS))
+    _store(index, "a", 0, often)
+    _store(index, "a", 1, once)  # 8 of 12 entries: queries refresh recency
+    often_keys, once_keys = sequence_keys(often, IBS), sequence_keys(once, IBS)
+    for _ in range(2):  # walked twice: remembered
+        assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}
+    assert index.deepest_npu(once_keys, asked) == {"a": (1, TierHit(4, 0, 0))}
+    assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}  # remembered: no change since
+    _store(index, "a", 2, list(range(200, 200 + 5 * IBS)))  # 13 > 12: the 2 least recent entries go
+    assert index.deepest_npu(often_keys, asked) == {"a": (0, TierHit(4, 0, 0))}
+    assert index.deepest_npu(once_keys, asked) == {"a": (1, TierHit(2, 0, 0))}
+
+
+@pytest.mark.unit
+def test_prompt_cache_evicts_the_least_recently_used_with_repeated_hits() -> None:
+    """A hit on the most recent entry leaves the order as it is; any other hit makes it the
+    most recent: the entry out next is always the least recently put or hit."""
+    cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
+    bodies = {name: name.encode() * 50 for name in "ABCDE"}
+
+    def put(name: str) -> None:
+        for _ in range(2):  # kept from the second sight on
+            cache.put(cache.key(bodies[name], True), bodies[name], _Prompt(MODEL, "default", BS, [ord(name)], 1))
+
+    def held(name: str) -> bool:
+        return cache.get(cache.key(bodies[name], True), bodies[name]) is not None
+
+    for name in "ABC":
+        put(name)
+    assert held("A") and held("A")  # B C A
+    put("D")  # B out: C A D
+    assert not held("B")
+    assert held("A")  # C D A
+    put("E")  # C out: D A E
+    assert not held("C")
+    assert held("D") and held("A") and held("E")
 
 
 @pytest.mark.unit

@@ -239,3 +239,36 @@ def test_counter_cells_and_inc_labels_count_the_same_series() -> None:
     assert counter.cell(labels) is cell
     assert counter.value(a="x") == 6 and counter.items() == {labels: 6}
     assert counter.lines() == ['c_total{a="x"} 6']
+
+
+def test_repeated_adds_read_exactly_as_adds_made_one_by_one() -> None:
+    """``Counter.repeat`` (a repeated ``/query``'s hits per instance) defers its adds to the
+    next read: every read (``items``, ``value``, the exposition) shows what adding them one by
+    one shows, and unread repeats are folded in past a bound."""
+    from motor_adapter import metrics
+
+    direct, repeated = metrics.Counter("c", "h"), metrics.Counter("c", "h")
+    labels = [(("instance", f"p{i}"),) for i in range(4)]
+    rng = random.Random(3)
+    tallies = [tuple((i, rng.randrange(1, 50)) for i in rng.sample(range(4), rng.randint(1, 4))) for _ in range(6)]
+    for series in labels:  # a tally creates its series when it is made, before any count
+        direct.cell(series)
+        repeated.cell(series)
+    adds = [tuple((repeated.cell(labels[i]), count) for i, count in t) for t in tallies]
+    for step in range(300):
+        pick = rng.randrange(len(tallies))
+        for i, count in tallies[pick]:
+            direct.cell(labels[i])[0] += count
+        repeated.repeat(adds[pick])
+        if step % 37 == 0:
+            assert repeated.lines() == direct.lines()
+        if step % 53 == 0:
+            assert repeated.value(instance="p1") == direct.value(instance="p1")
+    assert repeated.items() == direct.items()
+    assert repeated.lines() == direct.lines()
+    many = metrics.Counter("c", "h")
+    cell = many.cell(labels[0])
+    for _ in range(metrics._REPEATS_MAX + 5):  # distinct adds, never read: folded in, not kept
+        many.repeat(((cell, 1.0),))
+    assert len(many._repeats) <= metrics._REPEATS_MAX
+    assert many.value(instance="p0") == metrics._REPEATS_MAX + 5

@@ -101,6 +101,8 @@ _U64 = (1 << 64) - 1
 _NATIVE_HELD_LIMIT = 1 << 64  # the C walk takes worker masks of at most 64 bits
 _WIDE_WORDS_MAX = 16  # the C wide walk's masks: at most 16 u64 words (1024 workers)
 _DEEPEST_SEEN_MAX = 4096  # remembered walk ends -> per-instance deepest ranks
+_WALKS_MAX = 1024  # deepest_npu's walks remembered while the index is unchanged
+_UNSEEN = object()  # deepest_npu: keys not walked since the index last changed
 _NO_HITS: Mapping[str, tuple[int, TierHit]] = MappingProxyType({})  # deepest_npu's one answer for no hit
 _EVICT_FRACTION = 16  # evict capacity/16 entries at a time: amortises the per-worker scan
 _FIRST_CHUNK_BLOCKS = 4  # lazy hashing, doubling: a cold query hashes little, a deep one ~once
@@ -275,6 +277,9 @@ class PrefixIndex:
         self._inst_masks: dict[str, int] = {}  # instance -> bits of its workers
         self._allowed: tuple[object, int] = ((), 0)  # (the last instances collection asked, its mask)
         self._deepest_seen: dict[tuple[tuple[int, int], ...], dict[str, tuple[int, TierHit]]] = {}
+        # deepest_npu's walks since the index last changed (every writer clears it): last key ->
+        # (allowed workers, the keys walked, the answer, the depth), None after one walk
+        self._walks: dict[int, tuple[int, Sequence[int], Mapping[str, tuple[int, TierHit]], int] | None] = {}
         self._entries = [0, 0, 0]
         self._hits: dict[tuple[int, int, int], TierHit] = {}
         self._size_logged: set[str] = set()
@@ -289,6 +294,7 @@ class PrefixIndex:
         rank = dp_rank if dp_rank is not None else (batch.dp_rank if batch.dp_rank is not None else 0)
         result = ApplyResult()
         with self._lock:
+            self._walks.clear()  # the index changes: no remembered walk holds
             worker = self._worker(instance, rank)
             for event in batch.events:
                 self._apply(worker, event, result)
@@ -298,6 +304,7 @@ class PrefixIndex:
     def apply_event(self, instance: str, dp_rank: int, event: Event) -> ApplyResult:
         result = ApplyResult()
         with self._lock:
+            self._walks.clear()
             self._apply(self._worker(instance, dp_rank), event, result)
             self._finish(result)
         return result
@@ -305,6 +312,7 @@ class PrefixIndex:
     def clear_rank(self, instance: str, dp_rank: int, medium: str | None = None) -> None:
         """Forgets what a rank holds: in every tier, or only in ``medium``'s tier."""
         with self._lock:
+            self._walks.clear()
             worker = self._workers.get((instance, dp_rank))
             if worker is None:
                 return
@@ -317,6 +325,7 @@ class PrefixIndex:
     def clear_instance(self, instance: str) -> None:
         """Forgets an instance and its ranks; their worker ids are recycled."""
         with self._lock:
+            self._walks.clear()
             for key in [k for k in self._workers if k[0] == instance]:
                 worker = self._workers.pop(key)
                 for tier in range(3):
@@ -376,19 +385,38 @@ class PrefixIndex:
         block 0.  That is the fold of :meth:`query_keys` under any non-negative tier weights
         when only the NPU tier holds blocks; ``None`` when a CPU or disk tier holds any (then
         ask :meth:`query_keys`).  The router's ``/query`` hot path: one pass, no per-rank hits.
-        Queries whose walks end alike get the same mapping object: never mutate it."""
+        Queries whose walks end alike get the same mapping object: never mutate it.
+
+        A list of keys walked twice is remembered until the index next changes (every writer
+        forgets them all): the same keys asked again for the same workers give the same
+        answer without a walk - a prompt sent again (a retry, a repeated prompt, several
+        routers asking) between two changes.  Exact: a remembered walk answers only keys equal
+        to the ones it walked, and the recency touch runs as after a walk.  The first walk of
+        some keys only leaves a mark: under ingest the index changes between most queries, and
+        keeping a copy of every walk's keys would cost more than it saves."""
         with self._lock:
             if self._masks[1] or self._masks[2]:
                 return None
             self._queries += 1
             if not keys:
                 return _NO_HITS
-            leaves, position = self._npu_leaves(keys, self._instance_mask(instances))
-            if not leaves:
-                return _NO_HITS
-            if self._refresh():
+            allowed = self._instance_mask(instances)
+            walks = self._walks
+            remember = type(keys) is list
+            walked = walks.get(keys[-1], _UNSEEN) if remember else _UNSEEN
+            if type(walked) is tuple and walked[0] == allowed and walked[1] == keys:
+                found, position = walked[2], walked[3]
+            else:
+                leaves, position = self._npu_leaves(keys, allowed)
+                found = self._deepest_of(leaves) if leaves else _NO_HITS
+                if remember:
+                    if len(walks) >= _WALKS_MAX:
+                        walks.clear()
+                    # a copy of the keys: the caller's list may change
+                    walks[keys[-1]] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
+            if position and self._refresh():
                 self._touch(keys[:position])
-            return self._deepest_of(leaves)
+            return found
 
     def _npu_leaves(self, keys: Sequence[int], allowed: int) -> tuple[list[tuple[int, int]], int]:
         """The NPU walk of ``keys`` for the workers of ``allowed``: ``(position, workers whose
