@@ -21,7 +21,6 @@ import asyncio
 import hmac
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
@@ -127,9 +126,12 @@ class _PromptCache:
     prompt, several routers asking for the same request) skips decoding, tokenizing and
     hashing. Keyed by XXH3-128 of the body, confirmed by comparing the stored body (a
     collision is a miss, never a wrong answer). Bounded in entries and bytes, least recently
-    used first out. A body is kept from its second sight on: the first only leaves its digest
-    (a bounded doorkeeper), so one-off prompts neither pay for keeping a copy nor push out the
-    prompts that recur. Only touched from the event loop thread."""
+    used first out. A body is kept from its second sight on: the first only leaves a mark of
+    its digest (a doorkeeper: a byte per slot of a fixed table, slot and tag taken from the
+    digest; a later body on the same slot overwrites the mark, and a tag shared by chance
+    keeps a body at its first sight - harmless), so one-off prompts neither pay for keeping a
+    copy nor push out the prompts that recur, and a stream of new prompts allocates nothing
+    here. Only touched from the event loop thread."""
 
     def __init__(self, max_entries: int = 1024, max_bytes: int = 32 << 20, max_seen: int = 8192) -> None:
         self.max_entries = max_entries
@@ -138,7 +140,9 @@ class _PromptCache:
         self._entries: dict[int, tuple[bytes, _Prompt]] = {}
         self._bytes = 0
         self._newest = -1  # the key last put or moved to the end of _entries (keys are >= 0)
-        self._seen: OrderedDict[int, None] = OrderedDict()  # digests seen once, oldest first out
+        slots = 1 << max(1, (max_seen - 1).bit_length())  # a power of two, at least max_seen
+        self._seen = bytearray(slots)  # per slot, the tag of the digest last seen once there (0: none)
+        self._seen_mask = slots - 1
 
     @staticmethod
     def key(raw: bytes, is_msgpack: bool) -> int:
@@ -173,13 +177,13 @@ class _PromptCache:
             self._bytes -= _entry_bytes(*self._entries.pop(oldest))
 
     def _admit(self, key: int) -> bool:
-        """Whether a body not kept yet was seen before; else its digest is remembered."""
-        if key in self._seen:
-            del self._seen[key]
+        """Whether a body not kept yet was seen before; else its digest's mark is left."""
+        slot = (key >> 1) & self._seen_mask  # bit 0 is the format
+        tag = ((key >> 64) & 0xFF) | 1  # from other bits than the slot's; never 0 (empty)
+        if self._seen[slot] == tag:
+            self._seen[slot] = 0
             return True
-        if len(self._seen) >= self.max_seen:
-            self._seen.popitem(last=False)  # O(1), where a dict's first key is found past its deleted slots
-        self._seen[key] = None
+        self._seen[slot] = tag
         return False
 
 

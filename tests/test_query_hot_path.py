@@ -481,19 +481,26 @@ def test_prompt_cache_confirms_the_body_and_stays_bounded() -> None:
 @pytest.mark.unit
 def test_prompt_cache_keeps_a_body_from_its_second_sight_within_a_bounded_doorkeeper() -> None:
     cache = _PromptCache(max_entries=8, max_bytes=1 << 20, max_seen=2)
-    bodies = [bytes([i]) * 100 for i in range(4)]
+    bodies = [bytes([i]) * 100 for i in range(64)]
     keys = [cache.key(body, True) for body in bodies]
     cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
-    assert cache.get(keys[0], bodies[0]) is None  # seen once: only its digest is remembered
+    assert cache.get(keys[0], bodies[0]) is None  # seen once: only a mark of its digest is left
     cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
     assert cache.get(keys[0], bodies[0]) is not None  # seen twice: kept
-    for i in (1, 2, 3):  # three first sights through a doorkeeper of two: body 1's digest is pushed out
-        cache.put(keys[i], bodies[i], _Prompt(MODEL, "default", BS, [i], 1))
-    cache.put(keys[1], bodies[1], _Prompt(MODEL, "default", BS, [1], 1))
-    assert cache.get(keys[1], bodies[1]) is None  # a first sight again
-    cache.put(keys[3], bodies[3], _Prompt(MODEL, "default", BS, [3], 1))
-    assert cache.get(keys[3], bodies[3]) is not None
-    assert len(cache._seen) <= 2
+    # Two first sights on one slot of the two: the second overwrites the first's mark.
+    first = next(i for i in range(1, 64) if (keys[i] >> 1) & 1 == 0)
+    other = next(
+        i
+        for i in range(first + 1, 64)
+        if (keys[i] >> 1) & 1 == 0 and (keys[i] >> 64) & 0xFE != (keys[first] >> 64) & 0xFE
+    )
+    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
+    cache.put(keys[other], bodies[other], _Prompt(MODEL, "default", BS, [2], 1))
+    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
+    assert cache.get(keys[first], bodies[first]) is None  # a first sight again
+    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
+    assert cache.get(keys[first], bodies[first]) is not None
+    assert len(cache._seen) == 2  # bounded: a fixed table, whatever comes
 
 
 def _post(url: str, data: bytes, headers: dict[str, str]) -> tuple[str, bytes]:
