@@ -146,8 +146,8 @@ class _PromptCache:
 
     @staticmethod
     def key(raw: bytes, is_msgpack: bool) -> int:
-        """The body's XXH3-128 and its format in one int: no tuple per body (the doorkeeper
-        keeps thousands, and tuples are objects every full garbage collection walks)."""
+        """The body's XXH3-128 and its format in one int: no tuple per body (the cache keeps
+        up to a thousand keys, and tuples are objects every full garbage collection walks)."""
         return (_xxh3_128(raw) << 1) | is_msgpack
 
     def get(self, key: int, raw: bytes) -> _Prompt | None:
