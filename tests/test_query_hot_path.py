@@ -539,6 +539,18 @@ def test_a_repeated_body_sees_the_index_as_it_is_now_in_json_or_msgpack(server: 
     assert answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["engine_dp_rank"] == 1
 
 
+def _served_query_url(make_server: Any, zctx: Any, stored: list[int]) -> tuple[str, Publisher]:
+    """A fresh server (made after any switch of hashing.NATIVE: its handlers read it when
+    built) following one fanned-in instance whose rank 2 holds ``stored``: its /query URL,
+    and the instance's publisher (keep it: its socket lives while the test does)."""
+    server = make_server()
+    pub = Publisher(zctx, free_tcp_endpoint())
+    assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
+    connect(server, pub)
+    pub.store(stored, rank=2)
+    return str(server.url) + "/query", pub
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["c-helpers", "python"])
 def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
     native: bool, monkeypatch: pytest.MonkeyPatch, zctx: Any, make_server: Any
@@ -551,13 +563,8 @@ def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
         pytest.skip("the C helpers are not built")
     if not native:
         monkeypatch.setattr(hashing, "NATIVE", None)
-    server = make_server()  # after the switch: the handlers read hashing.NATIVE when built
-    pub = Publisher(zctx, free_tcp_endpoint())
-    assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
-    connect(server, pub)
     tokens = prompt(12, 5)
-    pub.store(tokens[: 3 * BS], rank=2)
-    url = server.url + "/query"
+    url, _pub = _served_query_url(make_server, zctx, tokens[: 3 * BS])
     body = {"tenant_id": "default", "token_ids": tokens, "model": MODEL, "block_size": BS}
 
     def matched() -> int:
@@ -622,12 +629,7 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
     for native in (True, False):
         if not native:
             monkeypatch.setattr(hashing, "NATIVE", None)
-        server = make_server()  # after the switch: the handlers read hashing.NATIVE when built
-        pub = Publisher(zctx, free_tcp_endpoint())
-        assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
-        connect(server, pub)
-        pub.store(tokens[: 3 * BS], rank=2)
-        url = server.url + "/query"
+        url, _pub = _served_query_url(make_server, zctx, tokens[: 3 * BS])
         wait_for(functools.partial(_matched_all, url, good[0], 3 * BS), "the store is indexed")
         answers[native] = [http(url, raw=raw, headers=headers) for raw in good + bad_block_size + bad_ids for _ in "12"]
     c_path, python_path = answers[True], answers[False]
