@@ -105,8 +105,29 @@ static void longest_hit(const params_t *p, const hits_t *hits, scored_t *s) {
     s->disk = best[3];
 }
 
-/* One instance scored (_InstanceScores.at).  `live` is its RankLoadBook packed entry - native
- * doubles: received (monotonic), the loads' sum, then the current load of each rank - or NULL;
+/* RankLoadBook's live entry of an instance (rank_loads.LiveLoads): (packed, seen), packed a
+ * bytearray of native doubles - received, the loads' sum, the report's version, the commits
+ * since it, then each rank's current load.  Sets *words and *count (doubles); 0, or -1 with
+ * an exception for another shape. */
+#define HEAD_WORDS 4
+static int live_words(PyObject *entry, double **words, Py_ssize_t *count) {
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 || !PyByteArray_Check(PyTuple_GET_ITEM(entry, 0)) ||
+        !PyAnySet_Check(PyTuple_GET_ITEM(entry, 1))) {
+        PyErr_SetString(PyExc_TypeError, "live loads are (bytearray of doubles, set of prompts)");
+        return -1;
+    }
+    PyObject *packed = PyTuple_GET_ITEM(entry, 0);
+    const Py_ssize_t bytes = PyByteArray_GET_SIZE(packed);
+    if (bytes < (Py_ssize_t)(HEAD_WORDS * sizeof(double)) || bytes % (Py_ssize_t)sizeof(double) != 0) {
+        PyErr_SetString(PyExc_TypeError, "packed loads are doubles: received, sum, version, commits, each rank's load");
+        return -1;
+    }
+    *words = (double *)PyByteArray_AS_STRING(packed);
+    *count = bytes / (Py_ssize_t)sizeof(double);
+    return 0;
+}
+
+/* One instance scored (_InstanceScores.at).  `live` is its RankLoadBook live entry or NULL;
  * fresh when received within stale_after of now.  0 on success, 1 to fall back, -1 with an
  * exception. */
 static int score_instance(const params_t *p, const hits_t *hits, PyObject *live, double now, double stale_after,
@@ -115,18 +136,17 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
     const double *values = NULL;
     Py_ssize_t size = 0;
     if (live != NULL) {
-        if (!PyBytes_Check(live) || PyBytes_GET_SIZE(live) < (Py_ssize_t)(2 * sizeof(double)) ||
-            PyBytes_GET_SIZE(live) % (Py_ssize_t)sizeof(double) != 0) {
-            PyErr_SetString(PyExc_TypeError, "packed loads are doubles: received, sum, each rank's load");
+        double *packed;
+        Py_ssize_t words;
+        if (live_words(live, &packed, &words) != 0) {
             return -1;
         }
-        const double *packed = (const double *)PyBytes_AS_STRING(live);
         s->received = packed[0];
         s->fresh = !(now - packed[0] > stale_after); /* RankLoadBook.token: stale past stale_after */
         if (s->fresh) {
             s->load_estimate = packed[1];
-            values = packed + 2;
-            size = PyBytes_GET_SIZE(live) / (Py_ssize_t)sizeof(double) - 2;
+            values = packed + HEAD_WORDS;
+            size = words - HEAD_WORDS;
         }
     }
     if (size == 0) { /* no figures: the longest hit, as before loads existed */
@@ -214,7 +234,12 @@ typedef struct {
     size_t len, cap;
 } text_t;
 
-static int text_room(text_t *t, size_t more) {
+/* The answer's text buffer, kept between calls (the GIL serialises them; rank_answer takes it
+ * and gives it back, so a call made meanwhile would only start with none): up to this size. */
+#define SCRATCH_MAX (1 << 20)
+static text_t scratch = {NULL, 0, 0};
+
+static inline __attribute__((always_inline)) int text_room(text_t *t, size_t more) {
     if (t->len + more <= t->cap) {
         return 0;
     }
@@ -232,29 +257,56 @@ static int text_room(text_t *t, size_t more) {
     return 0;
 }
 
-static int text_raw(text_t *t, const char *s, size_t n) {
+static inline __attribute__((always_inline)) int text_raw(text_t *t, const char *s, size_t n) {
     if (text_room(t, n) != 0) {
         return -1;
     }
-    memcpy(t->data + t->len, s, n);
+    char *to = t->data + t->len;
+    if (n <= 64) { /* names, keys, digits: a libc memcpy per copy made an 8-instance answer 3.3 us, not 2.2 */
+        for (size_t k = 0; k < n; k++) {
+            to[k] = s[k];
+        }
+    } else {
+        memcpy(to, s, n);
+    }
     t->len += n;
     return 0;
 }
 
 #define TEXT_LIT(t, s) text_raw((t), (s), sizeof(s) - 1)
 
-static int text_int(text_t *t, long long v) {
-    char buf[24];
-    char *end = buf + sizeof buf, *at = end;
-    unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+/* The decimal digits of u written ending at `end` (backwards); returns where they start. */
+static inline char *digits_before(char *end, unsigned long long u) {
     do {
-        *--at = (char)('0' + u % 10);
+        *--end = (char)('0' + u % 10);
         u /= 10;
     } while (u);
-    if (v < 0) {
-        *--at = '-';
+    return end;
+}
+
+static inline int digit_count(unsigned long long u) {
+    int n = 1;
+    while (u >= 10) {
+        u /= 10;
+        n++;
     }
-    return text_raw(t, at, (size_t)(end - at));
+    return n;
+}
+
+/* v in decimal, written in place (a small copy per figure costs more than the digits). */
+static int text_int(text_t *t, long long v) {
+    if (text_room(t, 24) != 0) {
+        return -1;
+    }
+    const unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+    char *at = t->data + t->len;
+    if (v < 0) {
+        *at++ = '-';
+    }
+    const int n = digit_count(u);
+    digits_before(at + n, u);
+    t->len = (size_t)(at + n - t->data);
+    return 0;
 }
 
 static int text_rank(text_t *t, long long rank) { return rank < 0 ? TEXT_LIT(t, "null") : text_int(t, rank); }
@@ -271,16 +323,16 @@ static int text_round1(text_t *t, double v) {
         if ((k < 0 || signbit(v)) && TEXT_LIT(t, "-")) { /* -0.0 and small negatives print "-0.x" */
             return -1;
         }
-        char buf[24];
-        char *end = buf + sizeof buf, *at = end;
-        *--at = (char)('0' + u % 10);
-        *--at = '.';
-        unsigned long long ints = u / 10;
-        do {
-            *--at = (char)('0' + ints % 10);
-            ints /= 10;
-        } while (ints);
-        return text_raw(t, at, (size_t)(end - at));
+        if (text_room(t, 24) != 0) {
+            return -1;
+        }
+        char *at = t->data + t->len;
+        const int n = digit_count(u / 10); /* the integer part, then '.', then the tenth */
+        digits_before(at + n, u / 10);
+        at[n] = '.';
+        at[n + 1] = (char)('0' + u % 10);
+        t->len += (size_t)n + 2;
+        return 0;
     }
     char buf[48];
     const int n = snprintf(buf, sizeof buf, "%.1f", v);
@@ -415,22 +467,187 @@ static PyObject *cells_of(PyObject *cells, PyObject *resolve, Py_ssize_t i, long
     return found; /* borrowed from the dict */
 }
 
-/* rank_answer(board, streams, packed, now, stale_after, isl, spread, cells, resolve)
- *   -> False | None | (json, best, commit_rank | None, commit_tokens, adds, best_blocks, scored, until)
+/* cell[0] += amount, as the reference's `cell[0] += n` (metrics.Counter.cell: a float). */
+static int cell_add(PyObject *cell, long long amount) {
+    if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) {
+        PyErr_SetString(PyExc_TypeError, "a metrics cell is a one-item list");
+        return -1;
+    }
+    PyObject *old = PyList_GET_ITEM(cell, 0);
+    PyObject *sum;
+    if (PyFloat_CheckExact(old)) { /* float + int: the int made a double first, as float.__add__ */
+        sum = PyFloat_FromDouble(PyFloat_AS_DOUBLE(old) + (double)amount);
+    } else {
+        PyObject *add = PyLong_FromLongLong(amount);
+        sum = add != NULL ? PyNumber_Add(old, add) : NULL;
+        Py_XDECREF(add);
+    }
+    if (sum == NULL) {
+        return -1;
+    }
+    return PyList_SetItem(cell, 0, sum); /* steals sum, releases old */
+}
+
+/* The metrics of instance i's answer on `rank`: its own hit's tier counts (the tally adds) and,
+ * when it scored tokens as a hit, those on the scored-tokens cell.  The cells come from
+ * cells[i] (resolve fills a miss). */
+static int count_instance(PyObject *cells, PyObject *resolve, Py_ssize_t i, long long rank, long long matched) {
+    PyObject *found = cells_of(cells, resolve, i, rank);
+    if (found == NULL) {
+        return -1;
+    }
+    Py_INCREF(found); /* the adds below run no Python code, but hold it anyway */
+    int status = 0;
+    PyObject *own = PyTuple_GET_ITEM(found, 0);
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(own) && status == 0; k++) {
+        PyObject *pair = PyTuple_GET_ITEM(own, k);
+        long long count;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            ((count = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1))) == -1 && PyErr_Occurred())) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "tally adds are (cell, count) pairs");
+            }
+            status = -1;
+            break;
+        }
+        status = cell_add(PyTuple_GET_ITEM(pair, 0), count);
+    }
+    if (status == 0 && matched > 0 && PyTuple_GET_ITEM(found, 1) != Py_None) {
+        status = cell_add(PyTuple_GET_ITEM(found, 1), matched);
+    }
+    Py_DECREF(found);
+    return status;
+}
+
+/* sum() of n doubles as the running CPython adds floats: left to right from 0; 3.12 on with
+ * Neumaier's compensation (and its last step), so the C commit leaves the sum the reference's
+ * sum() leaves. */
+static double python_sum(const double *v, Py_ssize_t n) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (n == 0) {
+        return 0.0;
+    }
+    double f = 0.0 + v[0], c = 0.0;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        const double x = v[i], t = f + x;
+        c += fabs(f) >= fabs(x) ? (f - t) + x : (x - t) + f;
+        f = t;
+    }
+    if (c != 0.0 && isfinite(c)) {
+        f += c;
+    }
+    return f;
+#else
+    double f = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        f += v[i];
+    }
+    return f;
+#endif
+}
+
+/* rank_loads._COMMITTED_MAX: prompts remembered per instance between two reports */
+#define COMMITTED_MAX 65536
+
+/* RankLoadBook.commit: `tokens` to `rank` of the instance whose live entry is live[stream],
+ * once per prompt between two reports; an effective one counts in `changes` (the book's
+ * int64 cell).  0, or -1 with an exception. */
+static int commit_to(PyObject *live, PyObject *stream, long long rank, long long tokens, PyObject *prompt,
+                     PyObject *changes) {
+    if (tokens <= 0) {
+        return 0;
+    }
+    PyObject *entry = PyDict_GetItemWithError(live, stream);
+    if (entry == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_INCREF(entry); /* a report replaces it in the dict meanwhile: this one stays whole */
+    double *words;
+    Py_ssize_t count;
+    int status = live_words(entry, &words, &count);
+    PyObject *seen = status == 0 ? PyTuple_GET_ITEM(entry, 1) : NULL;
+    const int has = seen != NULL ? PySet_Contains(seen, prompt) : -1;
+    if (has < 0) {
+        status = -1;
+    } else if (has == 0 && PySet_GET_SIZE(seen) < COMMITTED_MAX) {
+        if (PySet_Add(seen, prompt) != 0 || live_words(entry, &words, &count) != 0) { /* words again: no cached pointer across an allocation */
+            status = -1;
+        } else {
+            if (rank >= 0 && rank < count - HEAD_WORDS) {
+                words[HEAD_WORDS + rank] += (double)tokens;
+                words[1] = python_sum(words + HEAD_WORDS, count - HEAD_WORDS);
+            }
+            words[3] += 1.0;
+            ((int64_t *)PyByteArray_AS_STRING(changes))[0] += 1;
+        }
+    }
+    Py_DECREF(entry);
+    return status;
+}
+
+static int check_changes(PyObject *changes) {
+    if (!PyByteArray_Check(changes) || PyByteArray_GET_SIZE(changes) != 8) {
+        PyErr_SetString(PyExc_TypeError, "changes is the book's 8-byte counter (RankLoadBook.changes_cell)");
+        return -1;
+    }
+    return 0;
+}
+
+/* An answer's side effects from its replay (rank_answer's): the metrics of each instance counted,
+ * then the commit to the chosen instance's stream.  0, or -1 with an exception. */
+static int make_side_effects(PyObject *replay, PyObject *streams, PyObject *live, PyObject *cells, PyObject *resolve,
+                             PyObject *prompt, PyObject *changes) {
+    const Py_ssize_t n = PyTuple_GET_SIZE(streams);
+    const Py_ssize_t words = PyBytes_GET_SIZE(replay) / (Py_ssize_t)sizeof(long long);
+    const long long *plan = (const long long *)PyBytes_AS_STRING(replay);
+    if (PyBytes_GET_SIZE(replay) % (Py_ssize_t)sizeof(long long) != 0 || words < 4 || plan[3] < 0 ||
+        plan[3] > (words - 4) / 3 || words != 4 + 3 * plan[3] || plan[0] < 0 || plan[0] >= n ||
+        PyTuple_GET_SIZE(cells) != n) {
+        PyErr_SetString(PyExc_ValueError, "a malformed replay (rank_answer makes it)");
+        return -1;
+    }
+    for (long long k = 0; k < plan[3]; k++) {
+        const long long *at = plan + 4 + 3 * k;
+        if (at[0] < 0 || at[0] >= n || !PyDict_Check(PyTuple_GET_ITEM(cells, at[0]))) {
+            PyErr_SetString(PyExc_ValueError, "a malformed replay (rank_answer makes it)");
+            return -1;
+        }
+        if (count_instance(cells, resolve, (Py_ssize_t)at[0], at[1], at[2]) != 0) {
+            return -1;
+        }
+    }
+    if (plan[1] < 0) {
+        return 0;
+    }
+    return commit_to(live, PyTuple_GET_ITEM(streams, plan[0]), plan[1], plan[2], prompt, changes);
+}
+
+/* rank_answer(board, streams, live, now, stale_after, isl, spread, cells, resolve, prompt, changes)
+ *   -> False | None | (json, best_blocks, until, replay)
  *
  * board: the view's and walk result's inputs (above); streams[i]: instance i's stream, its key
- * in `packed` (RankLoadBook.packed_loads: received, sum, each rank's current load, as doubles);
- * cells[i]: a dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a miss;
- * until: when the first fresh instance goes stale (the answer holds while the book does not
- * change until then).  False: no instance has fresh loads (answer by the longest hit); None:
- * fall back to the reference. */
+ * in `live` (RankLoadBook.live: (packed doubles, committed prompts) per stream); cells[i]: a
+ * dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a miss.
+ * The answer's side effects are made here, as the reference makes them: the commit of the
+ * prompt's uncached tokens to the rank it makes Motor's pick land on (once per `prompt` between
+ * two reports; an effective one counts in `changes`, RankLoadBook.changes_cell), and its
+ * metrics (each instance's own hit on its scored rank, the tokens scored as hits).
+ * best_blocks: the largest hit of the answer (AdapterMetrics.observe_tally's); until: when the
+ * first fresh instance goes stale (the answer holds while the book does not change until
+ * then); replay: what rank_replay needs to make the side effects of the same answer again.
+ * False: no instance has fresh loads (answer by the longest hit); None: fall back to the
+ * reference.  Either way nothing was changed. */
 static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *board, *streams, *live, *spread_obj, *cells, *resolve;
+    PyObject *board, *streams, *live, *spread_obj, *cells, *resolve, *prompt, *changes;
     double now, stale_after;
     params_t p;
-    if (!PyArg_ParseTuple(args, "O!O!O!ddnOO!O", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live,
-                          &now, &stale_after, &p.isl, &spread_obj, &PyTuple_Type, &cells, &resolve)) {
+    if (!PyArg_ParseTuple(args, "O!O!O!ddnOO!OOO", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live,
+                          &now, &stale_after, &p.isl, &spread_obj, &PyTuple_Type, &cells, &resolve, &prompt,
+                          &changes)) {
+        return NULL;
+    }
+    if (check_changes(changes) != 0) {
         return NULL;
     }
     const uint64_t spread = PyLong_AsUnsignedLongLongMask(spread_obj);
@@ -452,8 +669,10 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     scored_t stack_scored[64];
     scored_t *scored = n <= 64 ? stack_scored : PyMem_Malloc((size_t)n * sizeof(scored_t));
     long long *values = PyMem_Malloc((size_t)n * 2 * sizeof(long long)); /* gpu, dp */
-    text_t text = {NULL, 0, 0};
-    PyObject *out = NULL, *adds = NULL, *scored_cells = NULL;
+    text_t text = scratch; /* taken back at the end: no Python code runs while it is written */
+    text.len = 0;
+    scratch = (text_t){NULL, 0, 0};
+    PyObject *out = NULL, *json = NULL, *replay = NULL;
     if (scored == NULL || values == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -547,63 +766,47 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     if (TEXT_LIT(&text, "}}")) {
         goto fail;
     }
-    /* The metrics: each instance's own hit on its scored rank, and the tokens scored as hits. */
-    adds = PyList_New(0);
-    scored_cells = PyList_New(0);
-    if (adds == NULL || scored_cells == NULL) {
+    /* The replay (int64s): the chosen instance, the commit's rank (-1: none) and tokens, then
+     * (instance, rank, matched) of each instance counted: a hit on its scored rank. */
+    replay = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((4 + 3 * n) * sizeof(long long)));
+    json = replay != NULL ? PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len) : NULL;
+    if (json == NULL) {
         goto fail;
     }
-    long long best_blocks = 0;
+    long long *plan = (long long *)PyBytes_AS_STRING(replay);
+    plan[0] = best;
+    plan[1] = top->rank >= 0 && top->fresh ? top->rank : -1;
+    plan[2] = (long long)p.isl - top->matched;
+    long long counted = 0, best_blocks = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const scored_t *s = &scored[i];
         if (s->rank < 0 || !s->has_hit) { /* matched > 0 needs a hit */
             continue;
         }
-        PyObject *found = cells_of(cells, resolve, i, s->rank);
-        if (found == NULL) {
-            goto fail;
-        }
-        if (s->has_hit) {
-            PyObject *own = PyTuple_GET_ITEM(found, 0);
-            for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(own); k++) {
-                if (PyList_Append(adds, PyTuple_GET_ITEM(own, k)) != 0) {
-                    goto fail;
-                }
-            }
-            const long long total = s->npu + s->cpu + s->disk;
-            best_blocks = total > best_blocks ? total : best_blocks;
-        }
-        if (s->matched > 0 && PyTuple_GET_ITEM(found, 1) != Py_None) {
-            PyObject *pair = Py_BuildValue("(OL)", PyTuple_GET_ITEM(found, 1), s->matched);
-            if (pair == NULL || PyList_Append(scored_cells, pair) != 0) {
-                Py_XDECREF(pair);
-                goto fail;
-            }
-            Py_DECREF(pair);
-        }
+        long long *at = plan + 4 + 3 * counted++;
+        at[0] = i;
+        at[1] = s->rank;
+        at[2] = s->matched;
+        const long long total = s->npu + s->cpu + s->disk;
+        best_blocks = total > best_blocks ? total : best_blocks;
     }
-    PyObject *json = PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len);
-    PyObject *adds_tuple = json ? PyList_AsTuple(adds) : NULL;
-    PyObject *scored_tuple = adds_tuple ? PyList_AsTuple(scored_cells) : NULL;
-    if (scored_tuple != NULL) {
-        if (top->rank >= 0 && top->fresh) {
-            out = Py_BuildValue("(NnLLNLNd)", json, best, top->rank, (long long)p.isl - top->matched, adds_tuple,
-                                best_blocks, scored_tuple, until);
-        } else {
-            out = Py_BuildValue("(NnOLNLNd)", json, best, Py_None, (long long)p.isl - top->matched, adds_tuple,
-                                best_blocks, scored_tuple, until);
-        }
-    } else {
-        Py_XDECREF(json);
-        Py_XDECREF(adds_tuple);
+    plan[3] = counted;
+    if (_PyBytes_Resize(&replay, (Py_ssize_t)((4 + 3 * counted) * sizeof(long long))) != 0 ||
+        make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
+        goto fail;
     }
+    out = Py_BuildValue("(OLdO)", json, best_blocks, until, replay);
     goto fail; /* the common exit: out is set on success */
 fall_back:
     out = Py_NewRef(Py_None);
 fail:
-    Py_XDECREF(adds);
-    Py_XDECREF(scored_cells);
-    PyMem_Free(text.data);
+    Py_XDECREF(json);
+    Py_XDECREF(replay);
+    if (text.cap <= SCRATCH_MAX && scratch.data == NULL) {
+        scratch = text; /* kept for the next answer: a fresh buffer each time is a cold one */
+    } else {
+        PyMem_Free(text.data);
+    }
     PyMem_Free(values);
     if (scored != stack_scored) {
         PyMem_Free(scored);
@@ -612,11 +815,30 @@ fail:
     return out;
 }
 
+/* rank_replay(replay, streams, live, cells, resolve, prompt, changes) -> None
+ *
+ * The side effects of an answer rank_answer gave before (its `replay`), made again for a query
+ * answered with it: the same metrics, the commit for `prompt`. */
+static PyObject *answer_rank_replay(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *replay, *streams, *live, *cells, *resolve, *prompt, *changes;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO", &PyBytes_Type, &replay, &PyTuple_Type, &streams, &PyDict_Type, &live,
+                          &PyTuple_Type, &cells, &resolve, &prompt, &changes) ||
+        check_changes(changes) != 0 ||
+        make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef answer_methods[] = {
     {"rank_answer", answer_rank_answer, METH_VARARGS,
-     "rank_answer(board, streams, packed, now, stale_after, isl, spread, cells, resolve) -> False | None | "
-     "(json, best, commit_rank, commit_tokens, adds, best_blocks, scored, until): the rank-aware /query answer "
+     "rank_answer(board, streams, live, now, stale_after, isl, spread, cells, resolve, prompt, changes) -> False | "
+     "None | (json, best_blocks, until, replay): the rank-aware /query answer, its commit and metrics made "
      "(see _answer.c)."},
+    {"rank_replay", answer_rank_replay, METH_VARARGS,
+     "rank_replay(replay, streams, live, cells, resolve, prompt, changes) -> None: an answer's commit and metrics "
+     "made again."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -625,4 +847,10 @@ static struct PyModuleDef answer_module = {
     -1, answer_methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__answer(void) { return PyModule_Create(&answer_module); }
+PyMODINIT_FUNC PyInit__answer(void) {
+    PyObject *module = PyModule_Create(&answer_module);
+    if (module != NULL && PyModule_AddIntConstant(module, "COMMITTED_MAX", COMMITTED_MAX) != 0) {
+        Py_CLEAR(module);
+    }
+    return module;
+}

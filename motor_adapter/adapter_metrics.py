@@ -150,6 +150,13 @@ class AdapterMetrics:
 
     def observe_tally(self, model: str, tally: HitTally, blocks: int, started: float) -> None:
         """One query of ``model``: its latency, its ``blocks`` and its hits (a :meth:`tally`)."""
+        if tally.adds:
+            self._repeat_hits(tally.adds)  # the same tally's cells are folded in once per read
+        self.observe_query(model, tally.best, blocks, started)
+
+    def observe_query(self, model: str, best: int, blocks: int, started: float) -> None:
+        """One query of ``model``: its latency, its ``blocks`` and the largest hit's (``best``),
+        its hits counted already (the C renderer adds them to their cells itself)."""
         per_model = self._model_cells.get(model)
         if per_model is None:
             if len(self._model_cells) >= LABELS_MAX:
@@ -162,9 +169,6 @@ class AdapterMetrics:
         latency[bisect_left(self._latency_buckets, elapsed)] += 1  # Histogram.series' layout
         latency[-1] += elapsed
         queried[0] += blocks
-        if tally.adds:
-            self._repeat_hits(tally.adds)  # the same tally's cells are folded in once per read
-        best = tally.best
         hit_blocks[0] += best if best < blocks else blocks
 
     def missed_registration(self, model: str, tenant: str) -> None:

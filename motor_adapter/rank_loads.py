@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import threading
 import time
 from array import array
@@ -47,18 +48,23 @@ class InstanceLoads:
         return len(self.loads)
 
 
-# One instance's loads as /query scores them, replaced whole on every report and commit (one
-# dict read gives a consistent set): received (monotonic), the token (RankLoadBook.token), and
-# packed, what the C renderer reads (RankLoadBook.packed_loads): native doubles - received,
-# the loads' sum (left to right, as sum()), each rank's current load (RankLoadBook.current) -
-# in a few cache lines, where a tuple's float objects lie all over the heap.
-LiveLoads = tuple[float, tuple[int, int], bytes]
+# One instance's loads as /query scores them (RankLoadBook.live): ``packed``, native doubles in
+# a few cache lines - received (monotonic), the loads' sum (left to right, as sum()), the
+# report's version, the commits counted since it, then each rank's current load (the report's
+# plus what was committed to it since) - and ``seen``, the prompts committed since the report.
+# A report replaces the pair whole (one dict store); a commit updates both in place - the
+# reference (RankLoadBook.commit) and the C renderer (motor_adapter._answer) alike - so a
+# reader sees the state before or after it, and a commit racing a report lands on the
+# replaced pair (lost, as the report's figures already count what was queued before them).
+LiveLoads = tuple[bytearray, set[int]]
+_HEAD = struct.Struct("=dddd")  # received, sum, version, commits: then one double per rank
+_HEAD_WORDS = 4
 
 
-def _pack_loads(received: float, loads: Sequence[float]) -> bytes:
-    packed = array("d", (received, sum(loads)))
+def _pack_loads(received: float, version: int, loads: Sequence[float]) -> bytearray:
+    packed = array("d", (received, sum(loads), float(version), 0.0))
     packed.extend(loads)
-    return packed.tobytes()
+    return bytearray(packed.tobytes())
 
 
 class RankLoadBook:
@@ -67,19 +73,24 @@ class RankLoadBook:
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._by_instance: dict[str, InstanceLoads] = {}
+        # Each instance's LiveLoads: /query reads it (the C renderer in one call), and commits
+        # the tokens its answers send to a rank (Motor's own committed-tokens idea) until the
+        # instance's next report, so a burst of requests between two reports does not all
+        # score the same idle rank.
         self._live: dict[str, LiveLoads] = {}
-        self._packed: dict[str, bytes] = {}  # each live entry's packed part, for the C renderer
-        # Writers: subscriber threads (apply) and the HTTP loop (commit, forget); readers take none.
+        # Writers that replace entries: subscriber threads (apply) and forget.  Commits run on
+        # the HTTP loop and change an entry in place, without it (see LiveLoads).
         self._write = threading.Lock()
-        # Tokens committed to a rank by /query answers since the instance's last report (the
-        # rank the answer made Motor pick): Motor's own committed-tokens idea, so a burst of
-        # requests between two reports does not all score the same idle rank.
-        self._commits: dict[str, dict[int, float]] = {}
-        self._committed: dict[str, set[int]] = {}  # prompts committed since the last report
-        self._commit_count: dict[str, int] = {}  # effective commits since the last report
         self._version = 0
         self.reports = 0
-        self.changes = 0  # every report, effective commit and forget: tokens read before it still hold
+        # Every report, effective commit and forget: tokens read before it still hold.  One
+        # int64 the C renderer counts in too (a commit it makes).
+        self.changes_cell = bytearray(8)
+        self._changes = memoryview(self.changes_cell).cast("q")
+
+    @property
+    def changes(self) -> int:
+        return int(self._changes[0])
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -96,9 +107,6 @@ class RankLoadBook:
         with self._write:
             self._version += 1
             self.reports += 1
-            self._commits.pop(instance, None)  # the new figures include what was committed before them
-            self._committed.pop(instance, None)
-            self._commit_count.pop(instance, None)
             self._by_instance[instance] = InstanceLoads(
                 received,
                 report.ts,
@@ -110,10 +118,9 @@ class RankLoadBook:
                 report.loads.period_s,
                 self._version,
             )
-            packed = _pack_loads(received, current)
-            self._live[instance] = (received, (self._version, 0), packed)
-            self._packed[instance] = packed
-            self.changes += 1
+            # The new figures include what was committed before them: no commit carries over.
+            self._live[instance] = (_pack_loads(received, self._version, current), set())
+            self._changes[0] += 1
 
     def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
         """The instance's figures, or None when it has none or they are stale."""
@@ -133,10 +140,7 @@ class RankLoadBook:
         without fresh figures, else ``(report version, commits since that report)``.  Equal
         tokens mean equal loads: versions never repeat (every report gets a new one) and the
         commits since a report only grow, so a remembered answer keyed by it is never stale."""
-        found = self._by_instance.get(instance)
-        if found is None or now - found.received > self.stale_after_s:
-            return None
-        return found.version, self._commit_count.get(instance, 0)
+        return self.tokens((instance,), now)[0][0]
 
     def tokens(self, instances: Sequence[str], now: float) -> tuple[tuple[tuple[int, int] | None, ...], float]:
         """:meth:`token` of each of ``instances`` at ``now``, and until when they hold while
@@ -144,70 +148,56 @@ class RankLoadBook:
         out: list[tuple[int, int] | None] = []
         until = math.inf
         stale_after = self.stale_after_s
+        unpack = _HEAD.unpack_from
         for instance in instances:
-            found = self._live.get(instance)  # one read: the token and its figures in step
-            if found is None or now - found[0] > stale_after:
+            found = self._live.get(instance)
+            if found is None:
                 out.append(None)
                 continue
-            until = min(until, found[0] + stale_after)
-            out.append(found[1])
+            received, _, version, commits = unpack(found[0])  # one read: the token and its figures in step
+            if now - received > stale_after:
+                out.append(None)
+                continue
+            until = min(until, received + stale_after)
+            out.append((int(version), int(commits)))
         return tuple(out), until
 
-    def packed_loads(self) -> Mapping[str, bytes]:
-        """Every instance's packed live loads (read-only: the C renderer reads it in one call)."""
-        return self._packed
+    def live(self) -> Mapping[str, LiveLoads]:
+        """Every instance's :data:`LiveLoads` (the C renderer reads and commits in one call)."""
+        return self._live
 
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
-        extra = self._commits.get(instance)
-        if not extra:
+        found = self._live.get(instance)
+        if found is None or _HEAD.unpack_from(found[0])[2] != figures.version:
             return figures.loads
-        loads = list(figures.loads)
-        for rank, tokens in extra.items():
-            if rank < len(loads):
-                loads[rank] += tokens
-        return tuple(loads)
+        return tuple(memoryview(found[0]).cast("d")[_HEAD_WORDS:])
 
     def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
         """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
         prompt asked again before the next report (a retry, a tool polling ``/query``) is
-        committed once: Motor asks once per request."""
+        committed once: Motor asks once per request.  ``_answer.c`` (commit_to) does the same."""
         if tokens <= 0:
             return
-        with self._write:
-            figures = self._by_instance.get(instance)
-            if figures is None:
-                return
-            seen = self._committed.setdefault(instance, set())
-            if prompt in seen or len(seen) >= _COMMITTED_MAX:
-                return
-            seen.add(prompt)
-            extra = self._commits.setdefault(instance, {})
-            extra[rank] = extra.get(rank, 0.0) + tokens
-            count = self._commit_count[instance] = self._commit_count.get(instance, 0) + 1
-            live = self._live.get(instance)
-            if live is not None and live[1][0] == figures.version and rank < len(figures.loads):
-                # Only this rank's figure moved: base + its commits, as current() computes it.
-                packed = array("d")
-                packed.frombytes(live[2])
-                packed[2 + rank] = figures.loads[rank] + extra[rank]
-                packed[1] = sum(packed[2:])
-                fresh = packed.tobytes()
-            else:
-                fresh = _pack_loads(figures.received, self.current(figures, instance))
-            self._live[instance] = (figures.received, (figures.version, count), fresh)
-            self._packed[instance] = fresh
-            self.changes += 1
+        found = self._live.get(instance)
+        if found is None:
+            return
+        packed, seen = found
+        if prompt in seen or len(seen) >= _COMMITTED_MAX:
+            return
+        seen.add(prompt)
+        words = memoryview(packed).cast("d")
+        if _HEAD_WORDS + rank < len(words):
+            words[_HEAD_WORDS + rank] += tokens
+            words[1] = sum(words[_HEAD_WORDS:])
+        words[3] += 1.0
+        self._changes[0] += 1
 
     def forget(self, instance: str) -> None:
         with self._write:
             self._by_instance.pop(instance, None)
             self._live.pop(instance, None)
-            self._packed.pop(instance, None)
-            self._commits.pop(instance, None)
-            self._committed.pop(instance, None)
-            self._commit_count.pop(instance, None)
-            self.changes += 1
+            self._changes[0] += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

@@ -24,7 +24,7 @@ from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
 
-__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "static_inputs"]
+__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replay", "static_inputs"]
 
 
 def _load() -> Any:
@@ -52,12 +52,11 @@ class RankStatic(NamedTuple):
     streams: tuple[str, ...]  # each instance's stream: its key in RankLoadBook's live loads
 
 
-Adds = tuple[tuple[list[float], int], ...]  # (counter cell, count) pairs, as HitTally.adds
-# The helper's answer, a plain tuple (no object more per answer): its JSON, the index of the
-# instance it makes Motor pick, the commit (rank or None, tokens), its metrics (the
-# instance-hit adds, the best hit's blocks, the scored-token cells), and until when it holds
-# while the book does not change (monotonic: the first fresh instance going stale).
-Rendered = tuple[bytes, int, Union[int, None], int, Adds, int, Adds, float]
+# The helper's answer, a plain tuple (no object more per answer): its JSON, the largest hit's
+# blocks (for the query's hit-blocks metric), until when it holds while the book does not change
+# (monotonic: the first fresh instance going stale), and its replay: what :func:`replay` needs
+# to make the answer's commit and metrics again when the same answer is given again.
+Rendered = tuple[bytes, int, float, bytes]
 
 
 def static_inputs(
@@ -130,22 +129,34 @@ def render(
     now: float,
     isl: int,
     spread: int,
-    params: CostParams,
+    prompt: int,
 ) -> Union[Rendered, Literal[False], None]:
-    """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens and tie-break key
-    ``spread`` under each instance's loads in ``book`` at ``now`` (monotonic); False when no
-    instance has fresh loads (answer by the longest hit); None: run the reference."""
-    if params.hotspot_spread is not None or params.hotspot_relative is not None:
-        return None  # the helper has no hot-spot guard (the adapter never sets one)
-    got = NATIVE.rank_answer(
+    """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens, tie-break key ``spread``
+    and commit key ``prompt`` under each instance's loads in ``book`` at ``now`` (monotonic),
+    its side effects made (the commit to the rank it names, its metrics); False when no
+    instance has fresh loads (answer by the longest hit); None: run the reference.  Neither
+    changes anything.  The caller checks :func:`renders` of the cost's parameters once."""
+    got: Union[Rendered, Literal[False], None] = NATIVE.rank_answer(
         table.board,
         static.streams,
-        book.packed_loads(),
+        book.live(),
         now,
         book.stale_after_s,
         isl,
         spread,
         table.cells,
         table.resolve,
+        prompt,
+        book.changes_cell,
     )
     return got
+
+
+def replay(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered, prompt: int) -> None:
+    """The side effects of ``rendered`` (an answer of ``table``) made again for ``prompt``."""
+    NATIVE.rank_replay(rendered[3], static.streams, book.live(), table.cells, table.resolve, prompt, book.changes_cell)
+
+
+def renders(params: CostParams) -> bool:
+    """Whether the helper answers under ``params``: it has no hot-spot guard (the adapter never sets one)."""
+    return params.hotspot_spread is None and params.hotspot_relative is None

@@ -420,14 +420,15 @@ class AdapterState:
                 len(rank_plans) == len(plans),
                 self.config.query_shape,
             )
+            params = _cost_params(self.scoring_config(block_size))
             view = _View(
                 regs,
                 entry.affinity if entry else None,
                 plans,
                 rank_plans=rank_plans,
                 rank_streams=rank_streams,
-                rank_static=static,
-                rank_params=_cost_params(self.scoring_config(block_size)),
+                rank_static=static if rank_render.renders(params) else None,
+                rank_params=params,
             )
             if len(self._views) >= _VIEWS_MAX:
                 self._views.clear()
@@ -502,16 +503,11 @@ class AdapterState:
             best_walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (the reference answers)
             if best_walk is not None:
                 size = isl if isl is not None else blocks * block_size
-                got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread)
-                if got is not None and got is not False:
-                    json, chosen, commit_rank, commit_tokens, adds, best_blocks, scored, _ = got
-                    if commit_rank is not None:  # as _answer_by_rank's commit
-                        stream = view.rank_streams[chosen]
-                        affinity.loads.commit(stream, commit_rank, commit_tokens, keys[-1] if keys else spread)
-                    self.metrics.observe_cells(scored)
-                    self.metrics.observe_tally(model, HitTally(adds, best_blocks), blocks, started)
-                    return Answer(None, {JSON_TYPE: json})
-                # False: no fresh loads (the longest hit answers); None: the reference renders it
+                prompt = keys[-1] if keys else spread  # the commit's key: once per prompt between two reports
+                got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread, prompt)
+                if got:  # its commit and metrics made; False: no fresh loads; None: the reference renders it
+                    self.metrics.observe_query(model, got[1], blocks, started)
+                    return Answer(None, {JSON_TYPE: got[0]})
         loads = _loads_tokens(view)
         if loads is not None:
             size = isl if isl is not None else blocks * block_size
@@ -594,37 +590,48 @@ class AdapterState:
         return ranked.answer
 
     def _rank_answer_native(
-        self, view: _View, block_size: int, keys: list[int], best: Mapping[str, Any], isl: int, spread: int
+        self,
+        view: _View,
+        block_size: int,
+        keys: list[int],
+        best: Mapping[str, Any],
+        isl: int,
+        spread: int,
+        prompt: int,
     ) -> Union[rank_render.Rendered, Literal[False], None]:
         """The rank-aware answer of walk result ``best`` rendered in C (``rank_render.render``:
-        False without fresh loads, None when it declines, and the reference answers).
+        False without fresh loads, None when it declines, and the reference answers), its
+        commit (keyed by ``prompt``) and metrics made.
 
         The last one is kept: asked again for the same walk result, ``isl`` and ``spread``
         while the book has not changed (its ``changes``: every report, effective commit and
-        forget) and no instance has gone stale, it is answered again without rendering - a
-        prompt asked again and again (a retry, several routers, a poll) costs no render, and
-        a stream of new prompts costs one slot, not a memo to fill and clear."""
-        static, params, affinity = view.rank_static, view.rank_params, view.affinity
-        assert static is not None and params is not None and affinity is not None
+        forget) and no instance has gone stale, it is answered again without rendering (its
+        commit and metrics made again: ``rank_render.replay``) - a prompt asked again and
+        again (a retry, several routers, a poll) costs no render, and a stream of new prompts
+        costs one slot, not a memo to fill and clear."""
+        static, affinity = view.rank_static, view.affinity
+        assert static is not None and affinity is not None
         book = affinity.loads
         changes = book.changes  # read first: a change while rendering is seen next time
         now = time.monotonic()
         last = view.rank_last
-        same = last[0] == id(best) and last[4] is best and last[1] == isl and last[2] == spread
-        if same and last[3] == changes and now < last[5][7]:
-            got: rank_render.Rendered = last[5]
+        if last[0] is best and last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
+            got: rank_render.Rendered = last[4]
+            rank_render.replay(static, last[5], book, got, prompt)
             return got
         table = view.rank_tables.get(id(best))
         if table is None or table.best is not best:
             # The per-rank hits of these walk ends: one walk more when they first appear.
+            params = view.rank_params
+            assert params is not None
             all_hits = affinity.hits_for_keys(keys)
             table = rank_render.RankTable(
                 static, params, best, all_hits, block_size, self._rank_cells(view, block_size)
             )
             _remember(view.rank_tables, id(best), table)
-        rendered = rank_render.render(static, table, book, now, isl, spread, params)
+        rendered = rank_render.render(static, table, book, now, isl, spread, prompt)
         if rendered:
-            last[:] = (id(best), isl, spread, changes, best, rendered)
+            last[:] = (best, isl, spread, changes, rendered, table)
         return rendered
 
     def _rank_cells(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from typing import Any
 
 import msgspec
@@ -14,6 +15,7 @@ import pytest
 from motor_adapter import rank_render
 from motor_adapter import state as state_module
 from motor_adapter.affinity import KvAffinity, NoSubscriber
+from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
@@ -168,3 +170,69 @@ def test_an_answer_needs_its_body_or_its_json() -> None:
 def test_the_c_renderer_is_built_where_ci_requires_it() -> None:
     if os.environ.get("KVPUB_REQUIRE_NATIVE") == "1":
         assert rank_render.NATIVE is not None, "KVPUB_REQUIRE_NATIVE=1 but motor_adapter._answer did not build"
+
+
+@needs_native
+@pytest.mark.unit
+def test_the_c_commit_keeps_the_books_bound() -> None:
+    from motor_adapter import rank_loads
+
+    assert rank_render.NATIVE.COMMITTED_MAX == rank_loads._COMMITTED_MAX
+
+
+@needs_native
+@pytest.mark.unit
+def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last answer is given again without rendering (same walk result, length and
+    tie-break key, no change in the book) and still makes its side effects: the metrics
+    count every query, and a prompt not committed yet commits (then the book has changed)."""
+    state, affinity = _state(2, KvAffinityConfig(block_size=BS), ["a", "b"])
+    prompt = list(range(1, 1 + 4 * BS))
+    stored = wire.BlockStored(list(range(100, 104)), None, prompt, BS, medium="GPU")
+    affinity.index.apply_batch(_url(1), wire.EventBatch(0.0, [stored], 1))
+    affinity.loads.apply(_url(0), _report([0.0, 0.0]))
+    affinity.loads.apply(_url(1), _report([0.0, 30.0]))
+    renders: list[int] = []
+    real = rank_render.NATIVE.rank_answer
+
+    class Spy:
+        COMMITTED_MAX = rank_render.NATIVE.COMMITTED_MAX
+        rank_replay = rank_render.NATIVE.rank_replay
+
+        @staticmethod
+        def rank_answer(*args: Any) -> Any:
+            renders.append(1)
+            return real(*args)
+
+    monkeypatch.setattr(rank_render, "NATIVE", Spy)
+    # Two prompts whose fifth block no one holds: the same walk result, length and key.
+    first = sequence_keys([*prompt, *range(900, 900 + BS)], BS)
+    second = sequence_keys([*prompt, *range(950, 950 + BS)], BS)
+
+    def scored() -> float:
+        return state.metrics.scored_cell("b", 1)[0]
+
+    def ask(asked: list[int]) -> None:
+        state.answer_keys("m", "default", BS, asked, len(asked), 0.0, 5 * BS, 5)
+
+    ask(first)  # rendered; commits its uncached block to b's rank 1: the book changed
+    assert len(renders) == 1 and scored() == 4 * BS
+    ask(first)  # rendered again (the book changed), committed once already
+    changes = affinity.loads.changes
+    committed = affinity.loads.token(_url(1), time.monotonic())
+    assert len(renders) == 2 and scored() == 8 * BS
+    ask(first)  # given again: no render, no commit, counted
+    assert len(renders) == 2 and scored() == 12 * BS and affinity.loads.changes == changes
+    ask(second)  # given again, and a new prompt: its commit is made
+    assert len(renders) == 2 and scored() == 16 * BS and affinity.loads.changes == changes + 1
+    assert affinity.loads.token(_url(1), time.monotonic()) != committed
+
+
+@needs_native
+@pytest.mark.unit
+def test_a_malformed_replay_or_counter_is_refused() -> None:
+    book = RankLoadBook()
+    with pytest.raises(ValueError, match="malformed replay"):
+        rank_render.NATIVE.rank_replay(b"\0" * 8, ("s",), book.live(), ({},), print, 1, book.changes_cell)
+    with pytest.raises(TypeError, match="8-byte counter"):
+        rank_render.NATIVE.rank_replay(b"\0" * 32, ("s",), book.live(), ({},), print, 1, bytearray(4))
