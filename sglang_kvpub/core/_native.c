@@ -1585,7 +1585,7 @@ static void split_release(body_split *split) {
  * it may be stated after the ids, and is then known only once they are decoded - a body
  * whose block size turns out another decodes the skipped ids after all. */
 #define MEMO_PROBE_BYTES 1024 /* ~300 ids: what a conversation's turns, or one system prompt, share */
-#define MEMO_MIN_BYTES 2048   /* payloads shorter than this decode and hash in about a lookup's time */
+#define MEMO_MIN_BYTES 2048   /* shorter payloads save too little for what a lookup and an entry cost */
 #define MEMO_BLOCK_BYTES 56   /* kept per block beside the body: its end, its key's tuple slot and int */
 
 typedef struct {
