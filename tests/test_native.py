@@ -680,8 +680,9 @@ def test_take_query_keys_memo_reuses_the_shared_blocks() -> None:
         assert memo.reused_blocks == before
     no_size = _memo_body(rng, second, None)
     after = no_size[:1].replace(b"\x82", b"\x83") + no_size[1:] + b"\xaablock_size\x40"  # 64, after the ids
-    # remembered at 64 just above; the block size known only after the ids: reused when it turns out the same
-    for raw, default_block_size, reused in ((no_size, 64, 25), (no_size, 128, 0), (after, 128, 0), (after, 128, 25)):
+    # the probe takes the block size known before the ids (else the default): 64 meets the body remembered at 64
+    # just above, 128 `first`; one stated after the ids is reused when it turns out the remembered body's
+    for raw, default_block_size, reused in ((no_size, 64, 25), (no_size, 128, 10), (after, 128, 0), (after, 128, 25)):
         before = memo.reused_blocks
         got = NATIVE.take_query_keys(raw, default_block_size, hashing.BASE_SEED, memo)
         assert got == _query_keys_reference(raw, default_block_size, hashing.BASE_SEED)

@@ -1579,11 +1579,12 @@ static void split_release(body_split *split) {
  * items, past its header) is byte for byte a remembered body's up to where that body's
  * block j ends, blocks 0..j hold the same ids and have the same keys: take_query_keys then
  * decodes and hashes only from block j + 1 on.  A remembered body is found by its probe, the
- * XXH3 of its first MEMO_PROBE_BYTES of payload under the seed (bodies under another seed
- * never match); the bytes are then compared block by block, so a probe shared by chance
- * reuses nothing it should not.  The block size is checked against the remembered body's:
- * it may be stated after the ids, and is then known only once they are decoded - a body
- * whose block size turns out another decodes the skipped ids after all. */
+ * XXH3 of its first MEMO_PROBE_BYTES of payload under the seed and the block size as far as
+ * it is known when the ids are reached (stated before them, else the default): bodies under
+ * another seed or block size do not meet.  The bytes are then compared block by block, so a
+ * probe shared by chance reuses nothing it should not.  The block size is checked against
+ * the remembered body's: it may be stated after the ids, and is then known only once they
+ * are decoded - a body whose block size turns out another decodes the skipped ids after all. */
 #define MEMO_PROBE_BYTES 1024 /* ~300 ids: what a conversation's turns, or one system prompt, share */
 #define MEMO_MIN_BYTES 2048   /* shorter payloads save too little for what a lookup and an entry cost */
 #define MEMO_BLOCK_BYTES 56   /* kept per block beside the body: its end, its key's tuple slot and int */
@@ -1619,6 +1620,7 @@ static PyTypeObject QueryKeysMemoType;
 typedef struct {
     QueryKeysMemoObject *memo; /* NULL: no memo */
     uint64_t seed;
+    Py_ssize_t default_block_size;
     uint64_t probe;
     int probed;            /* probe set: the payload is long enough to be remembered */
     Py_ssize_t reused;     /* leading full blocks taken from `keys` (0: none) */
@@ -1660,7 +1662,9 @@ static Py_ssize_t memo_lookup(memo_reuse *reuse, int block_size_seen, uint32_t s
     if (stop - items < MEMO_MIN_BYTES || block_size_seen < 0) {
         return 0;
     }
-    reuse->probe = xxh3_seeded(items, MEMO_PROBE_BYTES, reuse->seed);
+    /* the block size as far as known: the one stated before the ids, else the default */
+    const uint64_t sized = block_size_seen == 1 ? stated_block_size : (uint64_t)reuse->default_block_size;
+    reuse->probe = xxh3_seeded(items, MEMO_PROBE_BYTES, reuse->seed ^ (sized * 0x9E3779B97F4A7C15ULL));
     reuse->probed = 1;
     const memo_entry *entry = memo_find(reuse->memo, reuse->probe, NULL);
     if (entry == NULL || entry->seed != reuse->seed ||
@@ -2085,7 +2089,11 @@ static PyObject *native_take_query_keys(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_TypeError, "memo must be a QueryKeysMemo or None, got %.100s", Py_TYPE(memo)->tp_name);
         return NULL;
     }
-    memo_reuse reuse = {.memo = memo != Py_None ? (QueryKeysMemoObject *)memo : NULL, .seed = seed};
+    memo_reuse reuse = {
+        .memo = memo != Py_None ? (QueryKeysMemoObject *)memo : NULL,
+        .seed = seed,
+        .default_block_size = default_block_size,
+    };
     const unsigned char *base = (const unsigned char *)PyBytes_AS_STRING(body);
     const unsigned char *stop = base + PyBytes_GET_SIZE(body);
     body_split split;
