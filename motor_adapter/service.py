@@ -205,6 +205,9 @@ class _Handlers:
         self._query_json = msgspec.json.Decoder(QueryBody)
         self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
         self._native = hashing.NATIVE  # /query's msgpack ids go straight to u32 in C when built
+        # recent /query bodies, for the leading blocks the next turn of a conversation (or a shared
+        # system prompt) repeats byte for byte; only touched from the event loop thread, like _prompts
+        self._query_memo = self._native.QueryKeysMemo() if self._native else None
         self._prompts = _PromptCache()
         self._register_lock = registry.lock  # restores and other replicas' changes take it too
 
@@ -301,7 +304,7 @@ class _Handlers:
         cache_key = self._prompts.key(raw, is_msgpack)
         prompt = self._prompts.get(cache_key, raw)
         if prompt is None and is_msgpack and self._native:  # ids decoded and hashed in one C call
-            split = take_query_keys(raw, self._native, hashing.BASE_SEED)
+            split = take_query_keys(raw, self._native, hashing.BASE_SEED, self._query_memo)
             if split is not None:
                 rest, keys, count, spread, size = split
                 body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)

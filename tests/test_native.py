@@ -585,6 +585,143 @@ def test_take_query_keys_refuses_bad_ids_as_take_token_ids(bad: Any, where: int)
         assert str(keyed.value) == str(taken.value)
 
 
+def _memo_body(rng: random.Random, ids: list[Any], block_size: int | None, forms: str = "short") -> bytes:
+    """A /query body of ``ids`` (packed as ``_packed_id`` packs them; anything else as msgpack
+    does), its block size before the ids, after them or absent (``None``)."""
+    if forms == "short":
+        array_bytes = msgpack.packb(ids)
+    else:
+        items = (_packed_id(rng, v, forms) if type(v) is int and v >= 0 else msgpack.packb(v) for v in ids)
+        array_bytes = b"\xdd" + len(ids).to_bytes(4, "big") + b"".join(items)
+    entries = [b"\xa5model\xa1m", b"\xa9token_ids" + array_bytes]
+    if block_size is not None:
+        entries.insert(rng.choice([0, 2]), msgpack.packb("block_size") + msgpack.packb(block_size))
+    return bytes([0x80 | len(entries)]) + b"".join(entries)
+
+
+def _keys_with_and_without(raw: bytes, default_block_size: int, seed: int, memo: Any) -> tuple[Any, Any]:
+    """``take_query_keys`` without the memo, then with it (each its value or its ValueError's message)."""
+
+    def run(*memo_arg: Any) -> Any:
+        try:
+            return NATIVE.take_query_keys(raw, default_block_size, seed, *memo_arg)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+
+    return run(), run(memo)
+
+
+@needs_native
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("seed", range(30))
+def test_take_query_keys_with_a_memo_equals_without(seed: int, wide: bool) -> None:
+    """Bodies that share leading ids with the ones before them (a conversation's turns, a
+    shared system prompt), cut anywhere - inside a block, on a block's edge, inside an item's
+    bytes - under block sizes and seeds that share one memo, the body sent again, shorter,
+    longer, ids of every msgpack width, a bad id after the shared part: with the memo, the
+    very answer (or refusal) of the call without it, with either id decoder."""
+    if wide and not NATIVE.u32_decode_wide(None):
+        pytest.skip("this CPU has no AVX-512 VBMI: the two chains decode")
+    rng = random.Random(seed)
+    memo = NATIVE.QueryKeysMemo(rng.choice([1, 2, 16, 256]))
+    top = rng.choice([128, 256, 65_536, 150_000, 1 << 32])
+    ids = [rng.randrange(top) for _ in range(rng.randrange(1000, 4000))]
+    was_wide = NATIVE.u32_decode_wide(None)
+    NATIVE.u32_decode_wide(wide)
+    try:
+        for _ in range(40):
+            block_size = rng.choice([16, 100, 128, 128, 128, 256])
+            cut = rng.choice([rng.randrange(len(ids) + 1), block_size * rng.randrange(len(ids) // block_size + 1)])
+            change = rng.random()
+            if change < 0.15:
+                pass  # the same ids again
+            elif change < 0.3:
+                ids = ids[:cut]  # shorter
+            elif change < 0.45 and cut < len(ids):  # one id changed in its last byte or its form
+                ids = [*ids[:cut], ids[cut] ^ rng.choice([1, 0x100, 0x10000]), *ids[cut + 1 :]]
+            else:  # the next turn: the prefix, then new ids
+                ids = ids[:cut] + [
+                    rng.randrange(rng.choice([128, 256, 65_536, 1 << 32])) for _ in range(rng.randrange(2000))
+                ]
+            sent: list[Any] = list(ids)
+            if sent and rng.random() < 0.1:
+                sent[rng.randrange(len(sent))] = rng.choice([-1, 1 << 32, 1.5, None, "7"])
+            forms = "any" if rng.random() < 0.15 else "short"
+            raw = _memo_body(rng, sent, rng.choice([None, block_size, block_size]), forms)
+            hash_seed = rng.choice([hashing.BASE_SEED, hashing.BASE_SEED, 7])
+            without, with_memo = _keys_with_and_without(raw, rng.choice([128, 16]), hash_seed, memo)
+            assert with_memo == without
+            assert len(memo) <= memo.max_entries and memo.bytes <= memo.max_bytes
+    finally:
+        NATIVE.u32_decode_wide(was_wide)
+    assert memo.hits > 0  # the cases above reused remembered blocks, not only decoded afresh
+
+
+@needs_native
+def test_take_query_keys_memo_reuses_the_shared_blocks() -> None:
+    """A next turn reuses every full block the turn before it holds, but its own last one (the
+    spread key's); a body under another seed, or stating another block size, reuses nothing;
+    one stating the block size after its ids, unlike the remembered body's, decodes them all."""
+    rng = random.Random(1)
+    memo = NATIVE.QueryKeysMemo()
+    first = [rng.randrange(150_000) for _ in range(10 * 128 + 5)]
+    second = first + [rng.randrange(150_000) for _ in range(3 * 128)]
+    for ids, reused in ((first, 0), (second, 10), (second, 12), (first, 9)):
+        raw = _memo_body(rng, ids, 128)
+        before = memo.reused_blocks
+        assert NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED, memo) == _query_keys_reference(
+            raw, 128, hashing.BASE_SEED
+        )
+        assert memo.reused_blocks - before == reused
+    assert (len(memo), memo.hits) == (1, 3)
+    for raw, seed in ((_memo_body(rng, second, 128), 7), (_memo_body(rng, second, 64), hashing.BASE_SEED)):
+        before = memo.reused_blocks
+        assert NATIVE.take_query_keys(raw, 128, seed, memo) == _query_keys_reference(raw, 128, seed)
+        assert memo.reused_blocks == before
+    no_size = _memo_body(rng, second, None)
+    after = no_size[:1].replace(b"\x82", b"\x83") + no_size[1:] + b"\xaablock_size\x40"  # 64, after the ids
+    # the probe takes the block size known before the ids (else the default): 64 meets the body remembered at 64
+    # just above, 128 `first`; one stated after the ids is reused when it turns out the remembered body's
+    for raw, default_block_size, reused in ((no_size, 64, 25), (no_size, 128, 10), (after, 128, 0), (after, 128, 25)):
+        before = memo.reused_blocks
+        got = NATIVE.take_query_keys(raw, default_block_size, hashing.BASE_SEED, memo)
+        assert got == _query_keys_reference(raw, default_block_size, hashing.BASE_SEED)
+        assert memo.reused_blocks - before == reused
+
+
+@needs_native
+def test_take_query_keys_memo_stays_within_its_bounds() -> None:
+    """At most ``max_entries`` bodies and ``max_bytes`` (the bodies plus 56 bytes a block),
+    oldest out first; a body over an eighth of the byte bound, a short one, one with an id
+    in a longer form than needed, are not remembered; ``clear`` forgets all."""
+    rng = random.Random(2)
+    bodies = [_memo_body(rng, [rng.randrange(65_536, 150_000) for _ in range(2048)], 128) for _ in range(40)]
+    size = len(bodies[0]) + 16 * 56  # every id 5 bytes: every body this long
+    for max_entries, max_bytes, kept in ((16, 10 * size, 10), (4, 100 * size, 4)):
+        memo = NATIVE.QueryKeysMemo(max_entries, max_bytes)
+        for raw in bodies:
+            NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED, memo)
+            assert len(memo) <= kept and memo.bytes == len(memo) * size
+        assert len(memo) >= kept // 2  # two slots a probe: a few may share theirs
+        reused = memo.reused_blocks
+        NATIVE.take_query_keys(bodies[-1], 128, hashing.BASE_SEED, memo)  # the newest is kept
+        assert memo.reused_blocks == reused + 15
+        memo.clear()
+        assert (len(memo), memo.bytes) == (0, 0)
+    small = NATIVE.QueryKeysMemo(8, 8 * size - 1)
+    NATIVE.take_query_keys(bodies[0], 128, hashing.BASE_SEED, small)
+    assert len(small) == 0
+    short = _memo_body(rng, list(range(100_000, 100_300)), 16)  # 18 blocks, but 1,500 bytes of ids
+    longer_forms = _memo_body(rng, [rng.randrange(150_000) for _ in range(2048)], 128, "any")
+    for raw in (short, longer_forms):
+        NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED, memo)
+    assert len(memo) == 0
+    with pytest.raises(TypeError, match="QueryKeysMemo"):
+        NATIVE.take_query_keys(bodies[0], 128, hashing.BASE_SEED, {})
+    with pytest.raises(ValueError):
+        NATIVE.QueryKeysMemo(0)
+
+
 def _decoded_both_ways(decode: Any) -> tuple[Any, Any]:
     """``decode()`` (its value, or its ValueError's message) with the wide id decode on, then off."""
 

@@ -642,3 +642,45 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
     for (status, answer), (_, python_answer) in zip(c_path, python_path, strict=True):
         if status == 400 and "token_ids" not in answer["detail"]:
             assert answer == python_answer
+
+
+@pytest.mark.integration
+def test_conversation_turns_answer_alike_with_and_without_the_c_helpers(
+    monkeypatch: pytest.MonkeyPatch, zctx: Any, make_server: Any
+) -> None:
+    """The turns of a conversation (each body the one before it and more, then a changed last
+    id, a bad id past the shared part, the block size stated after the ids): the C path,
+    which takes the shared leading blocks from its memo of recent bodies (docs/native.md),
+    answers and refuses as the Python path does - and did take blocks from the memo."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built")
+    memos: list[Any] = []
+    made = hashing.NATIVE.QueryKeysMemo
+
+    def kept_memo() -> Any:
+        memos.append(made())
+        return memos[-1]
+
+    monkeypatch.setattr(hashing.NATIVE, "QueryKeysMemo", kept_memo)
+    tokens = prompt(14, 80)  # 1,280 ids, ~3.8 KiB of msgpack: long enough to be remembered
+    base = [("model", MODEL), ("tenant_id", "default")]
+    turns = [tokens[:700], tokens[:1000], tokens, [*tokens[:-1], 7], [*tokens, 70_000, 1 << 20]]
+    bodies = [_raw_map(*base, ("block_size", BS), ("token_ids", ids)) for ids in turns]
+    bodies.append(_raw_map(*base, ("block_size", BS), ("token_ids", [*tokens, -1])))
+    bodies.append(_raw_map(*base, ("token_ids", [*tokens, 5]), ("block_size", BS)))
+    bodies.append(_raw_map(*base, ("token_ids", [*tokens, 6]), ("block_size", 2 * BS)))
+    headers = {"Content-Type": "application/msgpack"}
+    answers: dict[bool, list[tuple[int, Any]]] = {}
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(hashing, "NATIVE", None)
+        url, _pub = _served_query_url(make_server, zctx, tokens[: 40 * BS])
+        wait_for(functools.partial(_matched_all, url, bodies[2], 40 * BS), "the store is indexed")
+        answers[native] = [http(url, raw=raw, headers=headers) for raw in bodies]
+    assert answers[True][:5] == answers[False][:5]
+    assert answers[True][6:] == answers[False][6:]
+    assert [status for status, _ in answers[True]] == [200] * 5 + [400] + [200] * 2
+    assert answers[True][5][1]["error"] == answers[False][5][1]["error"] == "bad_field"
+    assert sum(memo.hits for memo in memos) >= 5  # turns 0, 1, 3, 4 and 6 took blocks from the memo

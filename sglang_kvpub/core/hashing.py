@@ -68,6 +68,8 @@ _NATIVE_NAMES = (
     "u32_from_msgpack",
     "u32_count_msgpack",
     "take_token_ids",
+    "take_query_keys",
+    "QueryKeysMemo",
 )
 log = logging.getLogger(__name__)
 
