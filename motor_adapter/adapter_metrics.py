@@ -273,3 +273,34 @@ def _rank_series(loads: Sequence[tuple[str, InstanceLoads]]) -> list[metrics.Gau
             decisions.set(count, instance=instance, reason=reason)
         age.set(round(now - figures.received, 3), instance=instance)
     return [cached, prefill, load, requests, skew, decisions, age]
+
+
+def query_memo_text(memo: Any) -> str:
+    """The ``/query`` handler's prefix memo (``QueryKeysMemo``, docs/native.md "Prefix reuse")
+    in the exposition: how many new bodies reused a recent body's leading blocks, how many
+    blocks they skipped, and what it holds.  Empty without the C helpers (no memo)."""
+    if memo is None:
+        return ""
+    series = (
+        (
+            "query_prefix_reuse_total",
+            "counter",
+            "New /query bodies that took leading blocks from a recent body",
+            memo.hits,
+        ),
+        (
+            "query_prefix_reused_blocks_total",
+            "counter",
+            "Blocks those bodies neither decoded nor hashed",
+            memo.reused_blocks,
+        ),
+        ("query_prefix_memo_bodies", "gauge", "Recent /query bodies remembered for their leading blocks", len(memo)),
+        ("query_prefix_memo_bytes", "gauge", "Bytes those bodies count against the memo's bound", memo.bytes),
+    )
+    gauges: list[metrics.Gauge] = []
+    for name, kind, help_text, value in series:
+        gauge = metrics.Gauge(f"motor_kv_adapter_{name}", help_text)
+        gauge.kind = kind
+        gauge.set(float(value))
+        gauges.append(gauge)
+    return metrics.Registry().render(gauges)

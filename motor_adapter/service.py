@@ -29,7 +29,7 @@ from aiohttp import web
 from xxhash import xxh3_128_intdigest as _xxh3_128
 
 from motor_adapter import metrics
-from motor_adapter.adapter_metrics import LABELS_MAX
+from motor_adapter.adapter_metrics import LABELS_MAX, query_memo_text
 from motor_adapter.affinity import decision_logger
 from motor_adapter.http_contract import (
     I64_MIN,
@@ -390,7 +390,7 @@ class _Handlers:
         return web.Response(text="OK")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.state.render_metrics() + self.registry.render_metrics()
+        text = self.state.render_metrics() + self.registry.render_metrics() + query_memo_text(self._query_memo)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

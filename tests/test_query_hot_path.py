@@ -679,8 +679,15 @@ def test_conversation_turns_answer_alike_with_and_without_the_c_helpers(
         url, _pub = _served_query_url(make_server, zctx, tokens[: 40 * BS])
         wait_for(functools.partial(_matched_all, url, bodies[2], 40 * BS), "the store is indexed")
         answers[native] = [http(url, raw=raw, headers=headers) for raw in bodies]
+        if native:  # what the memo did, on /metrics
+            with urllib.request.urlopen(url.removesuffix("/query") + "/metrics", timeout=10) as response:
+                exposition = response.read().decode()
     assert answers[True][:5] == answers[False][:5]
     assert answers[True][6:] == answers[False][6:]
     assert [status for status, _ in answers[True]] == [200] * 5 + [400] + [200] * 2
     assert answers[True][5][1]["error"] == answers[False][5][1]["error"] == "bad_field"
     assert sum(memo.hits for memo in memos) >= 5  # turns 0, 1, 3, 4 and 6 took blocks from the memo
+    served = memos[0]  # the first app's handler (the C path)
+    assert f"motor_kv_adapter_query_prefix_reuse_total {served.hits}" in exposition.splitlines()
+    assert f"motor_kv_adapter_query_prefix_reused_blocks_total {served.reused_blocks}" in exposition.splitlines()
+    assert f"motor_kv_adapter_query_prefix_memo_bodies {len(served)}" in exposition.splitlines()
