@@ -551,6 +551,30 @@ def _served_query_url(make_server: Any, zctx: Any, stored: list[int]) -> tuple[s
     return str(server.url) + "/query", pub
 
 
+def _answers_both_ways(
+    monkeypatch: pytest.MonkeyPatch, make_server: Any, zctx: Any, stored: list[int], probe: bytes, bodies: list[bytes]
+) -> tuple[dict[bool, list[tuple[int, Any]]], dict[bool, str], list[Publisher]]:
+    """``bodies`` posted as msgpack to a server built with the C helpers, then to one built
+    without (``hashing.NATIVE`` switched off for the rest of the test), each once ``probe``
+    matches all of ``stored``: the answers and /query URLs by path, and the publishers
+    (keep them: their sockets live while the test does)."""
+    from sglang_kvpub.core import hashing
+
+    headers = {"Content-Type": "application/msgpack"}
+    answers: dict[bool, list[tuple[int, Any]]] = {}
+    urls: dict[bool, str] = {}
+    pubs: list[Publisher] = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(hashing, "NATIVE", None)
+        url, pub = _served_query_url(make_server, zctx, stored)
+        wait_for(functools.partial(_matched_all, url, probe, len(stored)), "the store is indexed")
+        answers[native] = [http(url, raw=raw, headers=headers) for raw in bodies]
+        urls[native] = url
+        pubs.append(pub)
+    return answers, urls, pubs
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["c-helpers", "python"])
 def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
     native: bool, monkeypatch: pytest.MonkeyPatch, zctx: Any, make_server: Any
@@ -624,14 +648,8 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
     ]
     bad_ids = [_raw_map(*base, ("token_ids", [*tokens[:200], bad])) for bad in (-1, 1 << 32, 1.5, None, "7")]
     bad_ids.append(_raw_map(*base, ("block_size", "x"), ("token_ids", [1, -1])))
-    headers = {"Content-Type": "application/msgpack"}
-    answers: dict[bool, list[tuple[int, Any]]] = {}
-    for native in (True, False):
-        if not native:
-            monkeypatch.setattr(hashing, "NATIVE", None)
-        url, _pub = _served_query_url(make_server, zctx, tokens[: 3 * BS])
-        wait_for(functools.partial(_matched_all, url, good[0], 3 * BS), "the store is indexed")
-        answers[native] = [http(url, raw=raw, headers=headers) for raw in good + bad_block_size + bad_ids for _ in "12"]
+    asked = [raw for raw in good + bad_block_size + bad_ids for _ in "12"]
+    answers, _urls, _pubs = _answers_both_ways(monkeypatch, make_server, zctx, tokens[: 3 * BS], good[0], asked)
     c_path, python_path = answers[True], answers[False]
     assert c_path[: 2 * len(good)] == python_path[: 2 * len(good)]
     assert any(status == 200 and answer for status, answer in c_path[: 2 * len(good)])
@@ -671,17 +689,9 @@ def test_conversation_turns_answer_alike_with_and_without_the_c_helpers(
     bodies.append(_raw_map(*base, ("block_size", BS), ("token_ids", [*tokens, -1])))
     bodies.append(_raw_map(*base, ("token_ids", [*tokens, 5]), ("block_size", BS)))
     bodies.append(_raw_map(*base, ("token_ids", [*tokens, 6]), ("block_size", 2 * BS)))
-    headers = {"Content-Type": "application/msgpack"}
-    answers: dict[bool, list[tuple[int, Any]]] = {}
-    for native in (True, False):
-        if not native:
-            monkeypatch.setattr(hashing, "NATIVE", None)
-        url, _pub = _served_query_url(make_server, zctx, tokens[: 40 * BS])
-        wait_for(functools.partial(_matched_all, url, bodies[2], 40 * BS), "the store is indexed")
-        answers[native] = [http(url, raw=raw, headers=headers) for raw in bodies]
-        if native:  # what the memo did, on /metrics
-            with urllib.request.urlopen(url.removesuffix("/query") + "/metrics", timeout=10) as response:
-                exposition = response.read().decode()
+    answers, urls, _pubs = _answers_both_ways(monkeypatch, make_server, zctx, tokens[: 40 * BS], bodies[2], bodies)
+    with urllib.request.urlopen(urls[True].removesuffix("/query") + "/metrics", timeout=10) as response:
+        exposition = response.read().decode()  # what the C path's memo did
     assert answers[True][:5] == answers[False][:5]
     assert answers[True][6:] == answers[False][6:]
     assert [status for status, _ in answers[True]] == [200] * 5 + [400] + [200] * 2

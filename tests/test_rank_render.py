@@ -120,16 +120,22 @@ def test_the_c_renderer_answers_commits_and_counts_as_the_reference(seed: int, m
     assert rendered[1] == reference[1]
 
 
-@needs_native
-@pytest.mark.unit
-def test_the_c_renderer_renders_the_rank_aware_answers() -> None:
-    """The renderer is what answers when loads are fresh (not the reference on every query)."""
+def _b_holds_the_prompt_on_its_busy_rank() -> tuple[AdapterState, KvAffinity, list[int]]:
+    """Instances "a" (two idle ranks) and "b" (rank 1 holds a 4-block prompt, load 30)."""
     state, affinity = _state(2, KvAffinityConfig(block_size=BS), ["a", "b"])
     prompt = list(range(1, 1 + 4 * BS))
     stored = wire.BlockStored(list(range(100, 104)), None, prompt, BS, medium="GPU")
     affinity.index.apply_batch(_url(1), wire.EventBatch(0.0, [stored], 1))
     affinity.loads.apply(_url(0), _report([0.0, 0.0]))
     affinity.loads.apply(_url(1), _report([0.0, 30.0]))
+    return state, affinity, prompt
+
+
+@needs_native
+@pytest.mark.unit
+def test_the_c_renderer_renders_the_rank_aware_answers() -> None:
+    """The renderer is what answers when loads are fresh (not the reference on every query)."""
+    state, _, prompt = _b_holds_the_prompt_on_its_busy_rank()
     keys = sequence_keys(prompt, BS)
     answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread_key(prompt, BS))
     assert JSON_TYPE in answer.encoded and answer._body is None  # rendered in C, decoded only when asked
@@ -186,12 +192,7 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
     """The last answer is given again without rendering (same walk result, length and
     tie-break key, no change in the book) and still makes its side effects: the metrics
     count every query, and a prompt not committed yet commits (then the book has changed)."""
-    state, affinity = _state(2, KvAffinityConfig(block_size=BS), ["a", "b"])
-    prompt = list(range(1, 1 + 4 * BS))
-    stored = wire.BlockStored(list(range(100, 104)), None, prompt, BS, medium="GPU")
-    affinity.index.apply_batch(_url(1), wire.EventBatch(0.0, [stored], 1))
-    affinity.loads.apply(_url(0), _report([0.0, 0.0]))
-    affinity.loads.apply(_url(1), _report([0.0, 30.0]))
+    state, affinity, prompt = _b_holds_the_prompt_on_its_busy_rank()
     renders: list[int] = []
     real = rank_render.NATIVE.rank_answer
 
