@@ -116,8 +116,9 @@ class _View:
     rank_static: Union[rank_render.RankStatic, None] = None
     rank_params: Union[CostParams, None] = None  # the rank cost's constants at this block size
     rank_tables: dict[int, rank_render.RankTable] = dataclasses.field(default_factory=dict)
-    # The last rendered answer: (walk result id, isl, spread, book changes, walk result, answer).
-    rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 6)
+    # The last rendered answer: (walk result, isl, spread, book changes, rendered, table, its
+    # Answer once made - the one object a repeat of it is given, its encodings included).
+    rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 7)
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -507,7 +508,13 @@ class AdapterState:
                 got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread, prompt)
                 if got:  # its commit and metrics made; False: no fresh loads; None: the reference renders it
                     self.metrics.observe_query(model, got[1], blocks, started)
-                    return Answer(None, {JSON_TYPE: got[0]})
+                    last = view.rank_last
+                    if last[4] is not got:
+                        return Answer(None, {JSON_TYPE: got[0]})
+                    answer: Answer = last[6]  # the last rendered answer, given again: one object
+                    if answer is None:
+                        answer = last[6] = Answer(None, {JSON_TYPE: got[0]})
+                    return answer
         loads = _loads_tokens(view)
         if loads is not None:
             size = isl if isl is not None else blocks * block_size
@@ -631,7 +638,7 @@ class AdapterState:
             _remember(view.rank_tables, id(best), table)
         rendered = rank_render.render(static, table, book, now, isl, spread, prompt)
         if rendered:
-            last[:] = (best, isl, spread, changes, rendered, table)
+            last[:] = (best, isl, spread, changes, rendered, table, None)
         return rendered
 
     def _rank_cells(

@@ -1084,3 +1084,60 @@ def test_index_applies_compact_ids_as_it_applies_lists(monkeypatch: pytest.Monke
     for n, decoded in enumerate(decoded_all):
         python_index.apply_batch("i", decoded, n % 4)
     assert [python_index.query(q) for q in queries] == [from_lists.query(q) for q in queries]
+
+
+# --------------------------------------------------------------------------- body_key
+
+
+@needs_native
+@pytest.mark.parametrize("length", [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 30_000, 200_003])
+def test_body_key_is_xxh3_128_shifted_with_the_flag(length: int) -> None:
+    """The /query prompt cache's key in C: exactly ``(xxh3_128_intdigest(body) << 1) | flag``,
+    whichever XXH3 input-size path the length takes, from bytes and other buffers alike."""
+    from xxhash import xxh3_128_intdigest
+
+    data = random.Random(length).randbytes(length)
+    want = xxh3_128_intdigest(data) << 1
+    for flag in (False, True, 0, 1):
+        assert NATIVE.body_key(data, flag) == want | int(flag)
+    assert NATIVE.body_key(bytearray(data), True) == want | 1
+    assert NATIVE.body_key(memoryview(data), False) == want
+
+
+@needs_native
+def test_body_key_keeps_all_129_bits() -> None:
+    """A digest whose top bit is set gives a key past 2^128 (the shift loses nothing)."""
+    from xxhash import xxh3_128_intdigest
+
+    rng = random.Random(5)
+    bodies = (rng.randbytes(64) for _ in range(200))
+    top = next(b for b in bodies if xxh3_128_intdigest(b) >> 127)
+    assert NATIVE.body_key(top, True) == (xxh3_128_intdigest(top) << 1) | 1 > 1 << 128
+
+
+@needs_native
+def test_body_key_refuses_what_is_no_buffer() -> None:
+    with pytest.raises(TypeError):
+        NATIVE.body_key("a str", True)
+    with pytest.raises(TypeError):
+        NATIVE.body_key(b"x")
+    with pytest.raises(TypeError):
+        NATIVE.body_key(b"x", True, 3)
+
+
+def test_query_prompt_cache_key_is_the_same_with_or_without_the_helpers() -> None:
+    """``_PromptCache.key`` gives the reference value in this process (C when built) and in
+    one without the helpers (``KVPUB_NATIVE=0``): the same body, the same key."""
+    from motor_adapter import service
+
+    body = msgpack.packb({"model": "m", "token_ids": list(range(3000))})
+    want = service._body_key_py(body, True)
+    assert service._PromptCache.key(body, True) == want
+    assert service._body_key is (NATIVE.body_key if NATIVE is not None else service._body_key_py)
+    code = (
+        "import sys; from motor_adapter import service; from sglang_kvpub.core import hashing; "
+        "assert hashing.NATIVE is None; print(service._PromptCache.key(sys.stdin.buffer.read(), True))"
+    )
+    env = {**os.environ, "KVPUB_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, input=body, capture_output=True, check=True)
+    assert int(out.stdout) == want

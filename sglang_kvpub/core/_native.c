@@ -21,6 +21,15 @@ typedef uint64_t (*xxh3_seeded_fn)(const void *data, size_t len, uint64_t seed);
 
 static xxh3_seeded_fn xxh3_seeded = NULL;
 
+/* XXH3-128's value as the xxhash package returns it (low and high halves, by value). */
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} xxh3_128_value;
+typedef xxh3_128_value (*xxh3_128_seeded_fn)(const void *data, size_t len, uint64_t seed);
+
+static xxh3_128_seeded_fn xxh3_128_seeded = NULL;
+
 /* Stack room for one block widened from 8-byte ids; larger blocks use the heap. */
 #define STACK_TOKENS 1024
 
@@ -48,8 +57,17 @@ static PyObject *native_bind(PyObject *self, PyObject *arg) {
         PyErr_Format(PyExc_ImportError, "%s exports no XXH3_64bits_withSeed", path);
         return NULL;
     }
-    /* The handle stays open for the life of the process: the symbol is used until exit. */
+    /* The plain (not the runtime-dispatched) entry point: the dispatched one picks AVX-512
+     * where the CPU has it, and on a server that idles between requests each request's first
+     * 512-bit instructions paid a warm-up (docs/native.md, body_key). */
+    void *symbol_128 = dlsym(handle, "XXH3_128bits_withSeed");
+    if (symbol_128 == NULL) {
+        PyErr_Format(PyExc_ImportError, "%s exports no XXH3_128bits_withSeed", path);
+        return NULL;
+    }
+    /* The handle stays open for the life of the process: the symbols are used until exit. */
     xxh3_seeded = (xxh3_seeded_fn)symbol;
+    xxh3_128_seeded = (xxh3_128_seeded_fn)symbol_128;
     Py_RETURN_NONE;
 }
 
@@ -724,7 +742,7 @@ static PyObject *wide_to_long(const uint64_t *words, int count) {
  * converter costs ~20 ns a key on the wide walk, this a few.  Other versions convert. */
 #define WIDE_DIGITS 1
 static int wide_from_digits(PyObject *value, uint64_t *out, int count) {
-    const Py_ssize_t size = Py_SIZE(value); /* > 0: the caller saw a positive overflow */
+    const Py_ssize_t size = Py_SIZE(value); /* >= 0: a mask, not ~wid */
     const digit *digits = ((PyLongObject *)value)->ob_digit;
     for (Py_ssize_t i = 0; i < size; i++) {
         const uint64_t part = digits[i];
@@ -756,6 +774,14 @@ wider:
 
 /* A masks value (a worker mask >= 0, or ~wid of one worker) as `count` words. */
 static int wide_from_long(PyObject *value, uint64_t *out, int count) {
+#ifdef WIDE_DIGITS
+    if (PyLong_CheckExact(value) && Py_SIZE(value) >= 0) {
+        /* a mask (not ~wid): its digits straight into the words, with no try of a long long
+         * first - past 64 workers most masks overflow one (issue 32, the wide walk) */
+        memset(out, 0, (size_t)count * 8);
+        return wide_from_digits(value, out, count);
+    }
+#endif
     int overflow = 0;
     const long long small = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (small == -1 && PyErr_Occurred()) {
@@ -2832,7 +2858,47 @@ static PyTypeObject HashKeysType = {
     .tp_new = hashkeys_new,
 };
 
+/* body_key(data, flag) -> int
+ *
+ * The adapter's /query prompt-cache key: XXH3-128 of `data` (seed 0: xxhash.xxh3_128_intdigest's
+ * value) shifted left by one with `flag` (0 or 1, the body's format) in bit 0.  Through the plain
+ * XXH3 entry point, which stays on SSE2: the package's own function dispatches to AVX-512 here,
+ * and a server that idles between requests paid ~3-4 us of 512-bit warm-up per 30 KB body for
+ * a hash that takes 0.6 us warm (issue 32). */
+static PyObject *native_body_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "body_key takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    const int flag = PyObject_IsTrue(args[1]);
+    if (flag < 0) {
+        return NULL;
+    }
+    if (xxh3_128_seeded == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "native hashing helpers are not bound");
+        return NULL;
+    }
+    xxh3_128_value value;
+    if (PyBytes_CheckExact(args[0])) { /* what aiohttp's read() gives: no buffer taken */
+        value = xxh3_128_seeded(PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]), 0);
+    } else {
+        Py_buffer view;
+        if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0) {
+            return NULL;
+        }
+        value = xxh3_128_seeded(view.buf, (size_t)view.len, 0);
+        PyBuffer_Release(&view);
+    }
+    uint64_t words[3]; /* little-endian: (high:low) << 1 | flag, 129 bits */
+    words[0] = (value.low64 << 1) | (uint64_t)flag;
+    words[1] = (value.high64 << 1) | (value.low64 >> 63);
+    words[2] = value.high64 >> 63;
+    return wide_to_long(words, words[2] ? 3 : 2);
+}
+
 static PyMethodDef native_methods[] = {
+    {"body_key", (PyCFunction)(void (*)(void))native_body_key, METH_FASTCALL,
+     "body_key(data, flag) -> (XXH3-128 of data, seed 0) << 1 | flag, hashed without AVX-512."},
     {"bind", native_bind, METH_O, "Resolve XXH3_64bits_withSeed from the shared object at the given path."},
     {"chain_keys", native_chain_keys, METH_VARARGS,
      "chain_keys(tokens, block_size, seed, parent, start, end) -> chained block keys (list of int)."},
