@@ -30,7 +30,7 @@ for the two phases with rank loads).
 every phase). Unlike the latencies they hardly move when other processes load the machine,
 so they tell a server-side change from noise. ``*_cpu_us_rounds``: the same per round (each
 phase runs ``--rounds`` times, interleaved): on a shared host one round of a phase can cost
-~25 % more than the others with the same code.
+a third more than another of the same phase with the same code.
 
     python bench/service.py [--clients 64] [--seconds 1] [--rounds 6] [--tokens 6144] [--phases query_distinct]
 """

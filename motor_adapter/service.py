@@ -86,8 +86,8 @@ def _body_key_py(raw: bytes, is_msgpack: bool) -> int:
 
 
 # The prompt cache's key in C when built: the xxhash package's own function dispatches to
-# AVX-512 on CPUs that have it, which cost a server idling between requests ~3-4 us of warm-up
-# per 30 KB body (issue 32); the C entry point hashes the same value on SSE2.
+# AVX-512 on CPUs that have it, which cost the live server ~2 us more CPU per 30 KB body than
+# the same hash on SSE2, though faster in a tight loop (docs/native.md, body_key; issue 32).
 _body_key: Callable[[bytes, bool], int] = hashing.NATIVE.body_key if hashing.NATIVE else _body_key_py
 
 

@@ -58,8 +58,7 @@ static PyObject *native_bind(PyObject *self, PyObject *arg) {
         return NULL;
     }
     /* The plain (not the runtime-dispatched) entry point: the dispatched one picks AVX-512
-     * where the CPU has it, and on a server that idles between requests each request's first
-     * 512-bit instructions paid a warm-up (docs/native.md, body_key). */
+     * where the CPU has it, which costs a server more per request (see body_key). */
     void *symbol_128 = dlsym(handle, "XXH3_128bits_withSeed");
     if (symbol_128 == NULL) {
         PyErr_Format(PyExc_ImportError, "%s exports no XXH3_128bits_withSeed", path);
@@ -2863,8 +2862,9 @@ static PyTypeObject HashKeysType = {
  * The adapter's /query prompt-cache key: XXH3-128 of `data` (seed 0: xxhash.xxh3_128_intdigest's
  * value) shifted left by one with `flag` (0 or 1, the body's format) in bit 0.  Through the plain
  * XXH3 entry point, which stays on SSE2: the package's own function dispatches to AVX-512 here,
- * and a server that idles between requests paid ~3-4 us of 512-bit warm-up per 30 KB body for
- * a hash that takes 0.6 us warm (issue 32). */
+ * faster in a tight loop (0.6 against 1.1 us per 30 KB) but ~2 us more CPU per request in the
+ * live server, which runs other code between two hashes and idles between requests (likely the
+ * 512-bit units' warm-up and clock change; issue 32). */
 static PyObject *native_body_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "body_key takes 2 arguments (%zd given)", nargs);
