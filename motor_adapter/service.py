@@ -237,29 +237,20 @@ class _Handlers:
         return self._parse(raw, is_msgpack, msgpack_decoder, json_decoder)
 
     async def _raw(self, request: web.Request) -> tuple[bytes, bool]:
-        """The body (bounded) and whether it is msgpack."""
+        """The body (bounded) and whether it is msgpack.  No check of the declared
+        ``Content-Length`` ahead of the read (it cost every query ~1 us): aiohttp's
+        ``client_max_size`` (the limit + 1) stops a larger body during the read."""
+        limit = self.config.max_body_bytes
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise self._too_large(request) from exc
-        return raw, self._is_msgpack(request, raw)
-
-    def _too_large(self, request: web.Request) -> RequestError:
-        limit = self.config.max_body_bytes
-        declared = request.content_length
-        said = f"{declared} bytes > limit {limit}" if declared is not None else f"body larger than {limit} bytes"
-        return RequestError(413, "body_too_large", said)
-
-    def _is_msgpack(self, request: web.Request, raw: bytes) -> bool:
-        """Whether the body is msgpack; 413 past the limit (aiohttp's ``client_max_size`` is the
-        limit + 1, so its read stops a larger body before it is all in memory: no separate
-        check of the declared length ahead of the read, which cost every query ~1 us)."""
-        if len(raw) > self.config.max_body_bytes:
-            raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {self.config.max_body_bytes}")
+            raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
+        if len(raw) > limit:
+            raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
         given = request.headers.get("Content-Type")
         if given in _MSGPACK_HEADERS:  # the common exact header: no parse of its parameters
-            return True
-        return request.content_type in MSGPACK_TYPES
+            return raw, True
+        return raw, request.content_type in MSGPACK_TYPES
 
     @staticmethod
     def _parse(raw: bytes, is_msgpack: bool, msgpack_decoder: Any, json_decoder: Any) -> Any:
@@ -319,11 +310,7 @@ class _Handlers:
         return await asyncio.to_thread(self.state.tokens_of, model, body)  # tokenizers are slow
 
     async def query(self, request: web.Request) -> web.Response:
-        try:  # _raw inline: the hot path's one await
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise self._too_large(request) from exc
-        is_msgpack = self._is_msgpack(request, raw)
+        raw, is_msgpack = await self._raw(request)
         started = time.perf_counter()
         cache_key = self._prompts.key(raw, is_msgpack)
         prompt = self._prompts.get(cache_key, raw)

@@ -787,12 +787,7 @@ static int wide_from_long(PyObject *value, uint64_t *out, int count) {
         return -1;
     }
     memset(out, 0, (size_t)count * 8);
-    if (overflow > 0) {
-#ifdef WIDE_DIGITS
-        if (PyLong_CheckExact(value)) {
-            return wide_from_digits(value, out, count);
-        }
-#endif
+    if (overflow > 0) { /* an int subclass, or not CPython 3.11 (an exact int's digits were read above) */
         return wide_le_bytes(value, (unsigned char *)out, (Py_ssize_t)count * 8); /* little-endian host */
     }
     if (overflow < 0) {

@@ -400,9 +400,7 @@ class PrefixIndex:
             self._queries += 1
             if not keys:
                 return _NO_HITS
-            asked, allowed = self._allowed  # _instance_mask's cache, read inline on the hot path
-            if asked is not instances:
-                allowed = self._instance_mask(instances)
+            allowed = self._instance_mask(instances)
             walks = self._walks
             remember = type(keys) is list
             walked = walks.get(keys[-1], _UNSEEN) if remember else _UNSEEN
@@ -416,7 +414,7 @@ class PrefixIndex:
                         walks.clear()
                     # a copy of the keys: the caller's list may change
                     walks[keys[-1]] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
-            if position and self.capacity_blocks is not None and self._refresh():
+            if position and self._refresh():
                 self._touch(keys[:position])
             return found
 
