@@ -294,6 +294,12 @@ def query_memo_text(memo: Any) -> str:
             "Blocks those bodies neither decoded nor hashed",
             memo.reused_blocks,
         ),
+        (
+            "query_prefix_memo_exact_total",
+            "counter",
+            "/query bodies the memo held byte for byte: their prompt again, nothing decoded or hashed",
+            memo.exact_hits,
+        ),
         ("query_prefix_memo_bodies", "gauge", "Recent /query bodies remembered for their leading blocks", len(memo)),
         ("query_prefix_memo_bytes", "gauge", "Bytes those bodies count against the memo's bound", memo.bytes),
     )

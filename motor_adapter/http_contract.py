@@ -85,9 +85,7 @@ def take_token_ids(raw: bytes, native: Any) -> tuple[bytes | None, bytes]:
         raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
 
 
-def take_query_keys(
-    raw: bytes, native: Any, seed: int, memo: Any = None
-) -> tuple[bytes, list[int], int, int, int] | None:
+def take_query_keys(raw: bytes, native: Any, seed: int, memo: Any = None) -> object:
     """:func:`take_token_ids` with the ids hashed in the same C call instead of returned:
     ``(rest, keys, tokens, spread, block_size)``, ``keys`` the prompt's
     ``hashing.sequence_keys`` under ``seed`` for the body's ``block_size`` (the
@@ -97,11 +95,11 @@ def take_query_keys(
     one integer in range (take the generic path: its decoder says what is wrong). The same
     refusal as :func:`take_token_ids` for a bad id. ``memo``: a ``native.QueryKeysMemo``
     (docs/native.md): the leading blocks a recent body shares byte for byte are taken from
-    it instead of decoded and hashed - the same answer."""
+    it instead of decoded and hashed - the same answer; and a body it remembers whole, with
+    an object attached to it (``memo.attach(raw, answer)``), gives that object instead of a
+    tuple: the caller's answer to the same bytes."""
     try:
-        split: tuple[bytes, list[int], int, int, int] | None = native.take_query_keys(
-            raw, _DEFAULT_BLOCK_SIZE, seed, memo
-        )
+        split: object = native.take_query_keys(raw, _DEFAULT_BLOCK_SIZE, seed, memo)
     except ValueError as exc:
         raise RequestError(400, "bad_field", f"{_BAD_IDS}: {exc}") from exc
     return split

@@ -134,7 +134,10 @@ class _Prompt(msgspec.Struct, frozen=True, gc=False):
 class _PromptCache:
     """Hashed ``/query`` bodies by their exact bytes: a prompt sent again (a retry, a repeated
     prompt, several routers asking for the same request) skips decoding, tokenizing and
-    hashing. Keyed by XXH3-128 of the body, confirmed by comparing the stored body (a
+    hashing.  For the bodies the C path does not take (JSON, text to tokenize, no C helpers):
+    a msgpack body of token ids sent again is recognised by the handler's ``QueryKeysMemo``
+    instead, which compares it with the body it remembers and hashes only its first KiB.
+    Keyed by XXH3-128 of the body, confirmed by comparing the stored body (a
     collision is a miss, never a wrong answer). Bounded in entries and bytes, least recently
     used first out. A body is kept from its second sight on: the first only leaves a mark of
     its digest (a doorkeeper: a byte per slot of a fixed table, slot and tag taken from the
@@ -312,17 +315,24 @@ class _Handlers:
     async def query(self, request: web.Request) -> web.Response:
         raw, is_msgpack = await self._raw(request)
         started = time.perf_counter()
-        cache_key = self._prompts.key(raw, is_msgpack)
-        prompt = self._prompts.get(cache_key, raw)
-        if prompt is None and is_msgpack and self._native:  # ids decoded and hashed in one C call
-            split = take_query_keys(raw, self._native, hashing.BASE_SEED, self._query_memo)
-            if split is not None:
+        memo = self._query_memo
+        prompt: _Prompt | None = None
+        # msgpack token ids in one C call (decoded and hashed, or the same bytes' prompt from
+        # the memo: no hash of the whole body); any other body through the prompt cache
+        if is_msgpack and memo is not None:
+            split = take_query_keys(raw, self._native, hashing.BASE_SEED, memo)
+            if type(split) is _Prompt:  # these exact bytes were answered before: their prompt
+                prompt = split
+            elif type(split) is tuple:
                 rest, keys, count, spread, size = split
                 body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
                 model, tenant, block_size = body.common()
                 if block_size == size:  # C read the block size the decoder read (else the path below)
                     prompt = _Prompt(model, tenant, size, keys, count // size, count, spread)
-                    self._prompts.put(cache_key, raw, prompt)
+                    memo.attach(raw, prompt)  # for the same bytes again (a remembered body only)
+        if prompt is None:  # JSON, text to tokenize, no C helpers
+            cache_key = self._prompts.key(raw, is_msgpack)
+            prompt = self._prompts.get(cache_key, raw)
         if prompt is None:
             taken, rest = take_token_ids(raw, self._native) if is_msgpack and self._native else (None, raw)
             body = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)

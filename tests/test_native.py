@@ -11,6 +11,7 @@ import os
 import random
 import subprocess
 import sys
+import weakref
 from array import array
 from typing import Any
 
@@ -628,6 +629,7 @@ def test_take_query_keys_with_a_memo_equals_without(seed: int, wide: bool) -> No
     ids = [rng.randrange(top) for _ in range(rng.randrange(1000, 4000))]
     was_wide = NATIVE.u32_decode_wide(None)
     NATIVE.u32_decode_wide(wide)
+    last: tuple[bytes, int, int] | None = None
     try:
         for _ in range(40):
             block_size = rng.choice([16, 100, 128, 128, 128, 256])
@@ -649,12 +651,77 @@ def test_take_query_keys_with_a_memo_equals_without(seed: int, wide: bool) -> No
             forms = "any" if rng.random() < 0.15 else "short"
             raw = _memo_body(rng, sent, rng.choice([None, block_size, block_size]), forms)
             hash_seed = rng.choice([hashing.BASE_SEED, hashing.BASE_SEED, 7])
-            without, with_memo = _keys_with_and_without(raw, rng.choice([128, 16]), hash_seed, memo)
-            assert with_memo == without
+            default_block_size = rng.choice([128, 16])
+            if last is not None and rng.random() < 0.2:  # the very body again (a retry), in another bytes object
+                raw, default_block_size, hash_seed = bytes(bytearray(last[0])), last[1], last[2]
+            last = (raw, default_block_size, hash_seed)
+            without, with_memo = _keys_with_and_without(raw, default_block_size, hash_seed, memo)
+            if type(with_memo) is _Attached:  # given back only for the very bytes (and call) it was attached to
+                call = (default_block_size, hash_seed)
+                assert (with_memo.raw, with_memo.call, with_memo.answer) == (raw, call, without)
+            else:
+                assert with_memo == without
+                if type(with_memo) is tuple and rng.random() < 0.5:  # the handler's prompt, here what it was made of
+                    memo.attach(raw, _Attached(bytes(raw), (default_block_size, hash_seed), with_memo))
             assert len(memo) <= memo.max_entries and memo.bytes <= memo.max_bytes
     finally:
         NATIVE.u32_decode_wide(was_wide)
-    assert memo.hits > 0  # the cases above reused remembered blocks, not only decoded afresh
+    # the cases above reused remembered blocks or answered a body sent again with what was
+    # attached to it, not only decoded afresh
+    assert memo.hits + memo.exact_hits > 0
+
+
+class _Attached:
+    """What a test attaches to a body in a ``QueryKeysMemo``: the bytes, the call and the answer it was for."""
+
+    def __init__(self, raw: bytes, call: tuple[int, int], answer: Any) -> None:
+        self.raw, self.call, self.answer = raw, call, answer
+
+
+@needs_native
+def test_take_query_keys_memo_gives_the_attached_object_for_the_same_bytes_only() -> None:
+    """``attach`` keeps an object with the body remembered last (that very object, else
+    False); the same bytes again (another bytes object) give it back, nothing decoded;
+    a byte changed before the ids, in them or after them gives the tuple; another body
+    taking the slot drops it, and ``clear`` releases it."""
+    rng = random.Random(5)
+    memo = NATIVE.QueryKeysMemo()
+    ids = [rng.randrange(150_000) for _ in range(20 * 128 + 7)]
+    tail = msgpack.packb("block_size") + msgpack.packb(128)  # stated after the ids
+    raw = b"\x83\xa5model\xa1m\xa9token_ids" + msgpack.packb(ids) + tail
+    first = NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED, memo)
+    prompt = _Attached(raw, (128, hashing.BASE_SEED), first)
+    assert memo.attach(bytes(bytearray(raw)), prompt) is False  # equal bytes, not the body remembered
+    assert memo.attach(raw, prompt) is True and memo.exact_hits == 0
+    assert NATIVE.take_query_keys(bytes(bytearray(raw)), 128, hashing.BASE_SEED, memo) is prompt
+    assert memo.exact_hits == 1 and memo.hits == 0
+    head = b"\x83\xa5model\xa1m\xa9token_ids"
+    in_block = [*ids[:600], ids[600] ^ 1, *ids[601:]]
+    in_last_block = [*ids[:-10], ids[-10] ^ 1, *ids[-9:]]
+    changed = (
+        raw.replace(b"\xa1m", b"\xa1n", 1),  # the model
+        head + msgpack.packb(in_block) + tail,  # an id
+        head + msgpack.packb(in_last_block) + tail,  # an id of the last (partial) block
+        head + msgpack.packb(ids) + msgpack.packb("block_size") + msgpack.packb(64),
+    )
+    for other in changed:
+        answer = NATIVE.take_query_keys(other, 128, hashing.BASE_SEED, memo)
+        assert answer == _query_keys_reference(other, 128, hashing.BASE_SEED)
+        assert memo.attach(raw, prompt) is False  # not the body remembered last any more: nothing kept
+    assert memo.exact_hits == 1
+    # the last changed body took the probe's slot: the first body decodes again, its answer unchanged
+    assert NATIVE.take_query_keys(raw, 128, hashing.BASE_SEED, memo) == first
+    short = _memo_body(rng, ids[:300], 128)  # under the memo's 2 KiB of ids: not remembered
+    NATIVE.take_query_keys(short, 128, hashing.BASE_SEED, memo)
+    assert memo.attach(short, prompt) is False
+    gone = weakref.ref(kept := _Attached(raw, (0, 0), None))
+    assert memo.attach(raw, kept) is True
+    del kept
+    assert gone() is not None  # the memo holds it
+    memo.clear()
+    assert gone() is None
+    with pytest.raises(TypeError):
+        memo.attach(raw)
 
 
 @needs_native
@@ -691,12 +758,12 @@ def test_take_query_keys_memo_reuses_the_shared_blocks() -> None:
 
 @needs_native
 def test_take_query_keys_memo_stays_within_its_bounds() -> None:
-    """At most ``max_entries`` bodies and ``max_bytes`` (the bodies plus 56 bytes a block),
+    """At most ``max_entries`` bodies and ``max_bytes`` (the bodies plus 64 bytes a block),
     oldest out first; a body over an eighth of the byte bound, a short one, one with an id
     in a longer form than needed, are not remembered; ``clear`` forgets all."""
     rng = random.Random(2)
     bodies = [_memo_body(rng, [rng.randrange(65_536, 150_000) for _ in range(2048)], 128) for _ in range(40)]
-    size = len(bodies[0]) + 16 * 56  # every id 5 bytes: every body this long
+    size = len(bodies[0]) + 16 * 64  # every id 5 bytes: every body this long
     for max_entries, max_bytes, kept in ((16, 10 * size, 10), (4, 100 * size, 4)):
         memo = NATIVE.QueryKeysMemo(max_entries, max_bytes)
         for raw in bodies:

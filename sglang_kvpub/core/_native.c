@@ -1607,7 +1607,7 @@ static void split_release(body_split *split) {
  * are decoded - a body whose block size turns out another decodes the skipped ids after all. */
 #define MEMO_PROBE_BYTES 1024 /* ~300 ids: what a conversation's turns, or one system prompt, share */
 #define MEMO_MIN_BYTES 2048   /* shorter payloads save too little for what a lookup and an entry cost */
-#define MEMO_BLOCK_BYTES 56   /* kept per block beside the body: its end, its key's tuple slot and int */
+#define MEMO_BLOCK_BYTES 64 /* per block beside the body: its end, its key's tuple slot and int, an answer's list slot */
 
 typedef struct {
     uint64_t stamp; /* insertion order; 0: an empty slot */
@@ -1619,6 +1619,7 @@ typedef struct {
     PyObject *body;         /* bytes, kept as given (no copy) */
     PyObject *keys;         /* tuple: the keys of the body's full blocks */
     PyObject *ends;         /* bytes: a Py_ssize_t per full block, where its last item ends (from `payload`) */
+    PyObject *answer;       /* the caller's object for these exact bytes (attach), or NULL */
 } memo_entry;
 
 typedef struct {
@@ -1629,8 +1630,10 @@ typedef struct {
     Py_ssize_t bytes;
     Py_ssize_t max_bytes;
     uint64_t stamp;
+    memo_entry *last;                 /* the entry memo_remember wrote last (attach's), or NULL */
     unsigned long long hits;          /* bodies that reused a remembered body's blocks */
     unsigned long long reused_blocks; /* the blocks they reused */
+    unsigned long long exact_hits;    /* bodies answered by an attached object: the same bytes again */
 } QueryKeysMemoObject;
 
 static PyTypeObject QueryKeysMemoType;
@@ -1648,6 +1651,7 @@ typedef struct {
     Py_ssize_t skip;       /* the payload bytes of the reused blocks */
     PyObject *keys;
     PyObject *ends;
+    PyObject *exact; /* a remembered body's attached object: these are its bytes, all of them */
 } memo_reuse;
 
 static void memo_reuse_drop(memo_reuse *reuse) {
@@ -1655,6 +1659,7 @@ static void memo_reuse_drop(memo_reuse *reuse) {
     reuse->skip = 0;
     Py_CLEAR(reuse->keys);
     Py_CLEAR(reuse->ends);
+    Py_CLEAR(reuse->exact);
 }
 
 /* The entry remembered under `probe`: in its home slot or the one after (two choices, so two
@@ -1676,9 +1681,14 @@ static memo_entry *memo_find(QueryKeysMemoObject *memo, uint64_t probe, memo_ent
 
 /* Sets `reuse` to the leading full blocks of the array at `items` (`count` ids) that a
  * remembered body holds byte for byte; the id index from which to decode (0: none).  Never
- * the body's last full block: its local hash is the spread key, so it is always hashed. */
+ * the body's last full block: its local hash is the spread key, so it is always hashed.
+ * When every block the lookup may reuse matched and the rest of the body `base`..`stop`
+ * (its bytes before the ids, the last block, what follows) is the remembered body's too,
+ * and an object is attached to it, `reuse->exact` holds that object: the same bytes, so
+ * the same answer, with nothing decoded or hashed. */
 static Py_ssize_t memo_lookup(memo_reuse *reuse, int block_size_seen, uint32_t stated_block_size,
-                              const unsigned char *items, const unsigned char *stop, Py_ssize_t count) {
+                              const unsigned char *base, const unsigned char *items, const unsigned char *stop,
+                              Py_ssize_t count) {
     if (stop - items < MEMO_MIN_BYTES || block_size_seen < 0) {
         return 0;
     }
@@ -1686,7 +1696,7 @@ static Py_ssize_t memo_lookup(memo_reuse *reuse, int block_size_seen, uint32_t s
     const uint64_t sized = block_size_seen == 1 ? stated_block_size : (uint64_t)reuse->default_block_size;
     reuse->probe = xxh3_seeded(items, MEMO_PROBE_BYTES, reuse->seed ^ (sized * 0x9E3779B97F4A7C15ULL));
     reuse->probed = 1;
-    const memo_entry *entry = memo_find(reuse->memo, reuse->probe, NULL);
+    memo_entry *entry = memo_find(reuse->memo, reuse->probe, NULL);
     if (entry == NULL || entry->seed != reuse->seed ||
         (block_size_seen == 1 && (Py_ssize_t)stated_block_size != entry->block_size)) {
         return 0;
@@ -1703,6 +1713,14 @@ static Py_ssize_t memo_lookup(memo_reuse *reuse, int block_size_seen, uint32_t s
         same = ends[reused++];
     }
     if (reused == 0) {
+        return 0;
+    }
+    const Py_ssize_t head = items - base, tail = (stop - items) - same;
+    if (entry->answer != NULL && reused == limit && PyBytes_GET_SIZE(entry->body) == stop - base &&
+        entry->payload == head && memcmp(base, PyBytes_AS_STRING(entry->body), (size_t)head) == 0 &&
+        memcmp(items + same, old + same, (size_t)tail) == 0) {
+        reuse->exact = Py_NewRef(entry->answer);
+        entry->stamp = ++reuse->memo->stamp; /* asked again: the last to go */
         return 0;
     }
     reuse->reused = reused;
@@ -1748,6 +1766,9 @@ static memo_entry memo_take(QueryKeysMemoObject *memo, memo_entry *slot) {
         memo->used--;
         memo->bytes -= old.bytes;
     }
+    if (memo->last == slot) {
+        memo->last = NULL;
+    }
     memset(slot, 0, sizeof(*slot));
     return old;
 }
@@ -1756,6 +1777,7 @@ static void memo_entry_release(memo_entry *entry) {
     Py_XDECREF(entry->body);
     Py_XDECREF(entry->keys);
     Py_XDECREF(entry->ends);
+    Py_XDECREF(entry->answer); /* may run a finalizer: only once the table is consistent */
 }
 
 /* Remembers `body` (taken: `split`, hashed into `keys` at `block_size`) under the probe its
@@ -1818,6 +1840,7 @@ static void memo_remember(memo_reuse *reuse, PyObject *body, const body_split *s
     };
     memo->used++;
     memo->bytes += bytes;
+    memo->last = slot;
     memo_entry_release(&old);
     while (memo->bytes > memo->max_bytes) { /* the oldest out (never the new one: it fits alone) */
         memo_entry *oldest = NULL;
@@ -1882,20 +1905,44 @@ static PyObject *querykeysmemo_clear(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* attach(body, answer) -> bool: keeps `answer` with the body take_query_keys remembered last
+ * if that is `body` (the same object), for take_query_keys to return when these exact bytes
+ * come again; False (nothing kept) otherwise.  The answer must not refer back to the memo:
+ * the memo is not tracked by the cycle collector. */
+static PyObject *querykeysmemo_attach(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "attach takes 2 arguments (body, answer), got %zd", nargs);
+        return NULL;
+    }
+    QueryKeysMemoObject *memo = (QueryKeysMemoObject *)self;
+    memo_entry *entry = memo->last;
+    if (entry == NULL || entry->stamp == 0 || entry->body != args[0]) {
+        Py_RETURN_FALSE;
+    }
+    PyObject *old = entry->answer;
+    entry->answer = Py_NewRef(args[1]);
+    Py_XDECREF(old); /* after the entry is consistent: it may run a finalizer */
+    Py_RETURN_TRUE;
+}
+
 static PyMethodDef querykeysmemo_methods[] = {
     {"clear", querykeysmemo_clear, METH_NOARGS, "Forgets every remembered body."},
+    {"attach", (PyCFunction)(void (*)(void))querykeysmemo_attach, METH_FASTCALL,
+     "attach(body, answer): keeps answer for the exact bytes of the body take_query_keys remembered last."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef querykeysmemo_members[] = {
     {"max_entries", T_PYSSIZET, offsetof(QueryKeysMemoObject, capacity), READONLY, "Bodies remembered at most."},
     {"max_bytes", T_PYSSIZET, offsetof(QueryKeysMemoObject, max_bytes), READONLY,
-     "Bytes kept at most: the bodies plus 56 per block."},
+     "Bytes kept at most: the bodies plus 64 per block."},
     {"bytes", T_PYSSIZET, offsetof(QueryKeysMemoObject, bytes), READONLY, "Bytes kept now, counted as max_bytes."},
     {"hits", T_ULONGLONG, offsetof(QueryKeysMemoObject, hits), READONLY,
      "Bodies that reused a remembered body's leading blocks."},
     {"reused_blocks", T_ULONGLONG, offsetof(QueryKeysMemoObject, reused_blocks), READONLY,
      "The blocks those bodies reused (not decoded, not hashed)."},
+    {"exact_hits", T_ULONGLONG, offsetof(QueryKeysMemoObject, exact_hits), READONLY,
+     "Bodies answered by the object attached to the same bytes."},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -1921,7 +1968,8 @@ static PyTypeObject QueryKeysMemoType = {
  * them, a value that is not an array, a malformed body: no exception set); -1 with
  * ValueError naming a bad id (or MemoryError).  With `reuse` (take_query_keys's memo), the
  * ids of the leading blocks a remembered body holds are not decoded (left unset in the
- * buffer): the caller takes their keys from the memo. */
+ * buffer): the caller takes their keys from the memo; 2, nothing split, when the whole body
+ * is a remembered one with an attached object (`reuse->exact`). */
 static int split_body(const unsigned char *base, const unsigned char *stop, int as_bytes, body_split *split,
                       memo_reuse *reuse) {
     memset(split, 0, sizeof(*split));
@@ -1954,6 +2002,13 @@ static int split_body(const unsigned char *base, const unsigned char *stop, int 
             int truncated;
             const unsigned char *items;
             const Py_ssize_t count = u32_array_count(key_end, stop, &items, &truncated);
+            Py_ssize_t first = 0; /* the first id to decode */
+            if (count >= 0 && reuse != NULL && reuse->memo != NULL) {
+                first = memo_lookup(reuse, split->block_size_seen, split->block_size, base, items, stop, count);
+                if (reuse->exact != NULL) { /* the whole body is a remembered one's: nothing to decode */
+                    return 2;
+                }
+            }
             if (count >= 0) {
                 if (as_bytes) {
                     split->ids_bytes = PyBytes_FromStringAndSize(NULL, count * 4);
@@ -1969,10 +2024,6 @@ static int split_body(const unsigned char *base, const unsigned char *stop, int 
                 }
                 split->count = count;
                 split->items = items;
-            }
-            Py_ssize_t first = 0; /* the first id to decode */
-            if (count >= 0 && reuse != NULL && reuse->memo != NULL) {
-                first = memo_lookup(reuse, split->block_size_seen, split->block_size, items, stop, count);
             }
             /* converted as it is scanned: one pass */
             if (count < 0 || u32_items(items + (first > 0 ? reuse->skip : 0), stop, first, count, split->ids, &end,
@@ -2075,6 +2126,7 @@ static PyObject *native_take_token_ids(PyObject *self, PyObject *arg) {
 }
 
 /* take_query_keys(body, default_block_size, seed, memo=None) -> (rest, keys, tokens, spread, block_size) | None
+ *                                                                  | the object attached to these bytes
  *
  * What the adapter's /query needs of a msgpack body, in one call: take_token_ids's split
  * (the same bodies taken, left and refused, the same ValueError naming a bad id), with the
@@ -2088,7 +2140,9 @@ static PyObject *native_take_token_ids(PyObject *self, PyObject *arg) {
  * then runs as before.  With `memo` (a QueryKeysMemo), the leading blocks a recent body
  * shares byte for byte are neither decoded nor hashed (their keys are that body's), and
  * this body is remembered in turn: the same answer, the same refusals (a bad id can only be
- * in the part decoded, the part reused was accepted before). */
+ * in the part decoded, the part reused was accepted before).  A body the memo remembers
+ * whole, byte for byte, with an object the caller attached to it (QueryKeysMemo.attach), is
+ * answered with that object: nothing decoded, hashed or allocated. */
 static PyObject *native_take_query_keys(PyObject *self, PyObject *args) {
     PyObject *body;
     Py_ssize_t default_block_size;
@@ -2118,6 +2172,12 @@ static PyObject *native_take_query_keys(PyObject *self, PyObject *args) {
     const unsigned char *stop = base + PyBytes_GET_SIZE(body);
     body_split split;
     const int taken = split_body(base, stop, 0, &split, &reuse);
+    if (taken == 2) { /* these exact bytes were taken before: the caller's answer to them */
+        PyObject *exact = Py_NewRef(reuse.exact);
+        reuse.memo->exact_hits++;
+        memo_reuse_drop(&reuse);
+        return exact;
+    }
     if (taken <= 0) {
         memo_reuse_drop(&reuse);
         if (taken < 0) {
