@@ -701,7 +701,7 @@ def test_take_query_keys_memo_gives_the_attached_object_for_the_same_bytes_only(
     changed = (
         raw.replace(b"\xa1m", b"\xa1n", 1),  # the model
         head + msgpack.packb(in_block) + tail,  # an id
-        head + msgpack.packb(in_last_block) + tail,  # an id of the last (partial) block
+        head + msgpack.packb(in_last_block) + tail,  # an id of the last full block (always decoded)
         head + msgpack.packb(ids) + msgpack.packb("block_size") + msgpack.packb(64),
     )
     for other in changed:
