@@ -1915,8 +1915,8 @@ static PyObject *querykeysmemo_attach(PyObject *self, PyObject *const *args, Py_
         return NULL;
     }
     QueryKeysMemoObject *memo = (QueryKeysMemoObject *)self;
-    memo_entry *entry = memo->last;
-    if (entry == NULL || entry->stamp == 0 || entry->body != args[0]) {
+    memo_entry *entry = memo->last; /* NULL once its slot is emptied (memo_take) */
+    if (entry == NULL || entry->body != args[0]) {
         Py_RETURN_FALSE;
     }
     PyObject *old = entry->answer;
