@@ -179,8 +179,7 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
     const Py_ssize_t start = (Py_ssize_t)(spread % (uint64_t)size);
     double best_cost = 0.0, best_load = 0.0;
     Py_ssize_t best_rank = start;
-    for (Py_ssize_t k = 0; k < size; k++) {
-        const Py_ssize_t r = (start + k) % size;
+    for (Py_ssize_t k = 0, r = start; k < size; k++, r = r + 1 < size ? r + 1 : 0) { /* (start + k) % size */
         const double load = values[r];
         if (!isfinite(load)) {
             status = 1;
@@ -275,19 +274,30 @@ static inline __attribute__((always_inline)) int text_raw(text_t *t, const char 
 
 #define TEXT_LIT(t, s) text_raw((t), (s), sizeof(s) - 1)
 
+/* "00".."99": two digits per division (an answer prints ~100 figures of a few digits each). */
+static const char digit_pairs[201] = "0001020304050607080910111213141516171819202122232425262728293031323334353637383940414243444546474849"
+                                     "5051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
+
 /* The decimal digits of u written ending at `end` (backwards); returns where they start. */
 static inline char *digits_before(char *end, unsigned long long u) {
-    do {
-        *--end = (char)('0' + u % 10);
-        u /= 10;
-    } while (u);
+    while (u >= 100) {
+        const unsigned pair = (unsigned)(u % 100) * 2;
+        u /= 100;
+        *--end = digit_pairs[pair + 1];
+        *--end = digit_pairs[pair];
+    }
+    if (u >= 10) {
+        *--end = digit_pairs[u * 2 + 1];
+        *--end = digit_pairs[u * 2];
+    } else {
+        *--end = (char)('0' + u);
+    }
     return end;
 }
 
 static inline int digit_count(unsigned long long u) {
     int n = 1;
-    while (u >= 10) {
-        u /= 10;
+    for (unsigned long long bound = 10; u >= bound && n < 20; bound *= 10) { /* no division: 20 digits at most */
         n++;
     }
     return n;

@@ -79,6 +79,10 @@ log = logging.getLogger(__name__)
 _MSGPACK_HEADERS = frozenset(MSGPACK_TYPES)
 _ENCODER = msgspec.json.Encoder()
 _MSGPACK_ENCODER = msgspec.msgpack.Encoder()
+# /query bodies' fields apart from the ids, decoded, by their bytes: clients send the same
+# model, block size and tenant again and again (a few combinations, each a few dozen bytes)
+_QUERY_FIELDS_MAX = 256
+_QUERY_FIELDS_BYTES = 512  # a longer rest (a prompt text beside the ids, say) is decoded each time
 
 
 def _body_key_py(raw: bytes, is_msgpack: bool) -> int:
@@ -223,6 +227,7 @@ class _Handlers:
         # system prompt) repeats byte for byte; only touched from the event loop thread, like _prompts
         self._query_memo = self._native.QueryKeysMemo() if self._native else None
         self._prompts = _PromptCache()
+        self._query_fields: dict[bytes, tuple[str, str, int]] = {}  # msgpack rest -> (model, tenant, block size)
         self._register_lock = registry.lock  # restores and other replicas' changes take it too
 
     async def body(self, request: web.Request) -> dict[str, Any]:
@@ -325,8 +330,15 @@ class _Handlers:
                 prompt = split
             elif type(split) is tuple:
                 rest, keys, count, spread, size = split
-                body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
-                model, tenant, block_size = body.common()
+                stated = self._query_fields.get(rest)
+                if stated is None:  # decoded and checked once per distinct rest (an error raises: never kept)
+                    body: QueryBody = self._parse(rest, is_msgpack, self._query_msgpack, self._query_json)
+                    stated = body.common()
+                    if len(rest) <= _QUERY_FIELDS_BYTES:
+                        if len(self._query_fields) >= _QUERY_FIELDS_MAX:
+                            self._query_fields.clear()
+                        self._query_fields[rest] = stated
+                model, tenant, block_size = stated
                 if block_size == size:  # C read the block size the decoder read (else the path below)
                     prompt = _Prompt(model, tenant, size, keys, count // size, count, spread)
                     memo.attach(raw, prompt)  # for the same bytes again (a remembered body only)

@@ -498,7 +498,7 @@ class AdapterState:
         instance by the rank that would serve the request instead (:meth:`_answer_by_rank`):
         ``isl`` is the prompt's length (default ``blocks * block_size``), ``spread`` its
         tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
-        view = self._view(model, tenant, block_size)
+        view = self._views.get((model, tenant, block_size)) or self._view(model, tenant, block_size)
         affinity = view.affinity
         if view.rank_static is not None and affinity is not None and affinity.loads.has_figures():
             best_walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (the reference answers)
@@ -622,11 +622,14 @@ class AdapterState:
         changes = book.changes  # read first: a change while rendering is seen next time
         now = time.monotonic()
         last = view.rank_last
-        if last[0] is best and last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
-            got: rank_render.Rendered = last[4]
-            rank_render.replay(static, last[5], book, got, prompt)
-            return got
-        table = view.rank_tables.get(id(best))
+        if last[0] is best:  # a new prompt's walk most often ends as the last one's: its table at hand
+            if last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
+                got: rank_render.Rendered = last[4]
+                rank_render.replay(static, last[5], book, got, prompt)
+                return got
+            table = last[5]
+        else:
+            table = view.rank_tables.get(id(best))
         if table is None or table.best is not best:
             # The per-rank hits of these walk ends: one walk more when they first appear.
             params = view.rank_params

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from motor_adapter.scoring import KvAffinityConfig, best_rank
-from motor_adapter.service import _Prompt, _PromptCache
+from motor_adapter.service import _QUERY_FIELDS_BYTES, _QUERY_FIELDS_MAX, _Prompt, _PromptCache
 from sglang_kvpub import wire
 from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.index import PrefixIndex, TierHit
@@ -130,8 +130,9 @@ def test_deepest_npu_over_wide_worker_masks_is_the_same_in_c_and_python(
     }
 
 
-def _walk_reference(keys: list[int], masks: dict[int, int], held: int) -> tuple[list[tuple[int, int]], int]:
-    """``wide_walk``'s contract in Python: (position, workers whose prefix ends there), depth."""
+def _walk_reference(keys: list[int], masks: dict[int, int], held: int) -> tuple[tuple[tuple[int, int], ...], int]:
+    """``wide_walk``'s contract in Python: (position, workers whose prefix ends there) as a
+    tuple (the index's memo key as it comes), depth."""
     ends: list[tuple[int, int]] = []
     position = 0
     for key in keys:
@@ -141,11 +142,11 @@ def _walk_reference(keys: list[int], masks: dict[int, int], held: int) -> tuple[
             ends.append((position, held ^ kept))
         held = kept
         if not held:
-            return ends, position
+            return tuple(ends), position
         position += 1
     if position:
         ends.append((position, held))
-    return ends, position
+    return tuple(ends), position
 
 
 @pytest.mark.unit
@@ -182,7 +183,7 @@ def test_wide_walk_refuses_a_mask_wider_than_its_words() -> None:
         pytest.skip("the C helpers are not built here")
     for words in (1, 2, 3):
         top = (1 << (64 * words)) - 1
-        assert hashing.NATIVE.wide_walk([5], {5: top}, top, words) == ([(1, top)], 1)
+        assert hashing.NATIVE.wide_walk([5], {5: top}, top, words) == (((1, top),), 1)
         with pytest.raises(OverflowError):
             hashing.NATIVE.wide_walk([5], {5: 1 << (64 * words)}, 1, words)
         with pytest.raises(OverflowError):
@@ -198,7 +199,7 @@ def test_wide_walk_refuses_a_word_count_out_of_range() -> None:
     with pytest.raises(ValueError, match="words must be in"):
         hashing.NATIVE.wide_walk([1], {}, 1, 17)
     assert hashing.NATIVE.wide_walk([5, 6], {5: (1 << 130) | 1, 6: ~130}, (1 << 130) | 1, 3) == (
-        [(1, 1), (2, 1 << 130)],
+        ((1, 1), (2, 1 << 130)),
         2,
     )
 
@@ -642,12 +643,18 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
         _raw_map(*base, ("token_ids", [])),
         _raw_map(*base, ("block_size", 16), ("token_ids", tokens)),  # no index of that block size
         _raw_map(*base, ("block_size", 16), ("token_ids", tokens), ("block_size", BS)),  # twice: the decoder's, last
+        _raw_map(("model", MODEL), ("tenant_id", "other"), ("block_size", BS), ("token_ids", tokens)),  # no index
+        # the fields beside the ids longer than the handler keeps decoded (read again each time)
+        _raw_map(*base, ("token_ids", tokens[: 3 * BS]), ("messages", [{"role": "user", "content": "x" * 600}])),
     ]
     bad_block_size = [
         _raw_map(*base, ("block_size", value), ("token_ids", tokens)) for value in (0, -1, "128", True, 1.0, 1 << 21)
     ]
     bad_ids = [_raw_map(*base, ("token_ids", [*tokens[:200], bad])) for bad in (-1, 1 << 32, 1.5, None, "7")]
     bad_ids.append(_raw_map(*base, ("block_size", "x"), ("token_ids", [1, -1])))
+    # fields refused beside good ids: refused again when sent again (a refusal is never kept)
+    bad_ids.append(_raw_map(("model", ""), ("tenant_id", "default"), ("block_size", BS), ("token_ids", tokens)))
+    bad_ids.append(_raw_map(("model", MODEL), ("tenant_id", 5), ("block_size", BS), ("token_ids", tokens)))
     asked = [raw for raw in good + bad_block_size + bad_ids for _ in "12"]
     answers, _urls, _pubs = _answers_both_ways(monkeypatch, make_server, zctx, tokens[: 3 * BS], good[0], asked)
     c_path, python_path = answers[True], answers[False]
@@ -660,6 +667,46 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
     for (status, answer), (_, python_answer) in zip(c_path, python_path, strict=True):
         if status == 400 and "token_ids" not in answer["detail"]:
             assert answer == python_answer
+
+
+@pytest.mark.integration
+def test_the_fields_beside_the_ids_are_kept_decoded_within_bounds(zctx: Any, make_server: Any) -> None:
+    """The handler keeps a msgpack body's fields apart from the ids (model, tenant, block
+    size) decoded by their bytes: bodies with new ids reuse them, at most
+    ``_QUERY_FIELDS_MAX`` kinds are kept, none longer than ``_QUERY_FIELDS_BYTES``, and each
+    answer is the one of the fields its body states."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built: the fields are decoded with the whole body")
+    tokens = prompt(15, 5)
+    server = make_server()
+    pub = Publisher(zctx, free_tcp_endpoint())
+    assert MotorClient(server.url).register_hbm_dp("vllm-prefill-0", pub.endpoint, fanned_in=True)[0] == 200
+    connect(server, pub)
+    pub.store(tokens[: 3 * BS], rank=2)
+    url = str(server.url) + "/query"
+    kept = next(
+        route.handler.__self__._query_fields
+        for route in server.runner.app.router.routes()
+        if route.method == "POST" and route.resource is not None and route.resource.canonical == "/query"
+    )
+    headers = {"Content-Type": "application/msgpack"}
+    base = [("model", MODEL), ("block_size", BS)]
+    ours = _raw_map(*base, ("tenant_id", "default"), ("token_ids", tokens))
+    wait_for(functools.partial(_matched_all, url, ours, 3 * BS), "the store is indexed")
+    for turn in range(2 * _QUERY_FIELDS_MAX):  # as many tenants, each body new ids: every rest decoded once
+        body = _raw_map(*base, ("tenant_id", f"t{turn}"), ("token_ids", [turn, *tokens]))
+        status, answer = http(url, raw=body, headers=headers)
+        assert (status, answer["error"]) == (404, "NoIndexer")  # the tenant it states, not one kept before
+        assert len(kept) <= _QUERY_FIELDS_MAX
+    long_rest = _raw_map(*base, ("tenant_id", "default"), ("prompt", "y" * _QUERY_FIELDS_BYTES), ("token_ids", tokens))
+    status, answer = http(url, raw=long_rest, headers=headers)
+    assert status == 200 and answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"] == 3 * BS
+    assert kept and all(len(rest) <= _QUERY_FIELDS_BYTES for rest in kept)
+    again = _raw_map(*base, ("tenant_id", "default"), ("token_ids", [*tokens, 9]))  # new ids, the fields of `ours`
+    assert http(url, raw=again, headers=headers)[0] == 200
+    assert (MODEL, "default", BS) in kept.values()
 
 
 @pytest.mark.integration

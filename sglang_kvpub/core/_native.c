@@ -804,21 +804,27 @@ static int wide_from_long(PyObject *value, uint64_t *out, int count) {
 
 static int wide_end(PyObject *ends, Py_ssize_t position, const uint64_t *mask, int count) {
     PyObject *number = wide_to_long(mask, count);
-    if (number == NULL) {
+    PyObject *at = number != NULL ? PyLong_FromSsize_t(position) : NULL;
+    PyObject *end = at != NULL ? PyTuple_New(2) : NULL;
+    if (end == NULL) {
+        Py_XDECREF(at);
+        Py_XDECREF(number);
         return -1;
     }
-    PyObject *end = Py_BuildValue("(nN)", position, number);
-    const int failed = end == NULL || PyList_Append(ends, end) != 0;
-    Py_XDECREF(end);
+    PyTuple_SET_ITEM(end, 0, at);
+    PyTuple_SET_ITEM(end, 1, number);
+    const int failed = PyList_Append(ends, end) != 0;
+    Py_DECREF(end);
     return failed ? -1 : 0;
 }
 
 /* wide_walk(keys, masks, held, words) -> (ends, depth)
  *
  * PrefixIndex's NPU walk over the chained `keys` (a list) for the workers of `held` (an
- * int below 2^(64 * words)): `ends` lists (position, workers holding exactly `position`
- * blocks) in ascending position, `depth` the deepest position; the walk stops at the
- * first key none of the remaining workers holds. */
+ * int below 2^(64 * words)): `ends` is a tuple of (position, workers holding exactly
+ * `position` blocks) in ascending position - hashable as it comes, the key of the index's
+ * memo of walk ends - and `depth` the deepest position; the walk stops at the first key
+ * none of the remaining workers holds. */
 static PyObject *native_wide_walk(PyObject *self, PyObject *args) {
     PyObject *keys, *masks, *held_object;
     int count;
@@ -873,7 +879,9 @@ static PyObject *native_wide_walk(PyObject *self, PyObject *args) {
     if (any != 0 && position > 0 && wide_end(ends, position, held, count) != 0) {
         goto failed;
     }
-    return Py_BuildValue("(Nn)", ends, position);
+    PyObject *frozen = PyList_AsTuple(ends);
+    Py_DECREF(ends);
+    return frozen != NULL ? Py_BuildValue("(Nn)", frozen, position) : NULL;
 failed:
     Py_DECREF(ends);
     return NULL;

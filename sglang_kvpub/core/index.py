@@ -400,33 +400,44 @@ class PrefixIndex:
             self._queries += 1
             if not keys:
                 return _NO_HITS
-            allowed = self._instance_mask(instances)
+            asked, allowed = self._allowed
+            if asked is not instances:
+                allowed = self._instance_mask(instances)
             walks = self._walks
             remember = type(keys) is list
-            walked = walks.get(keys[-1], _UNSEEN) if remember else _UNSEEN
+            last = keys[-1]
+            walked = walks.get(last, _UNSEEN) if remember else _UNSEEN
             if type(walked) is tuple and walked[0] == allowed and walked[1] == keys:
                 found, position = walked[2], walked[3]
             else:
-                leaves, position = self._npu_leaves(keys, allowed)
-                found = self._deepest_of(leaves) if leaves else _NO_HITS
+                # The per-query path of every new prompt: the C walk and the ends' lookup
+                # written out here (_npu_leaves, _deepest_of), a Python call each saved.
+                words = (len(self._by_wid) + 63) >> 6
+                ends: Sequence[tuple[int, int]]
+                if remember and 0 < words <= _WIDE_WORDS_MAX and (native := hashing.NATIVE) is not None:
+                    walked_ends: tuple[tuple[int, int], ...]
+                    walked_ends, position = native.wide_walk(keys, self._masks[0], allowed, words)
+                    seen = self._deepest_seen.get(walked_ends) if walked_ends else _NO_HITS
+                    ends = walked_ends
+                else:
+                    ends, position = self._npu_leaves(keys, allowed)
+                    seen = None if ends else _NO_HITS
+                found = seen if seen is not None else self._deepest_of(ends)
                 if remember:
                     if len(walks) >= _WALKS_MAX:
                         walks.clear()
                     # a copy of the keys: the caller's list may change
-                    walks[keys[-1]] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
-            if position and self._refresh():
+                    walks[last] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
+            capacity = self.capacity_blocks  # _refresh, written out
+            if position and capacity is not None and 2 * sum(self._entries) > capacity:
                 self._touch(keys[:position])
             return found
 
     def _npu_leaves(self, keys: Sequence[int], allowed: int) -> tuple[list[tuple[int, int]], int]:
         """The NPU walk of ``keys`` for the workers of ``allowed``: ``(position, workers whose
         prefix ends there)`` in ascending position (none when no worker holds block 0), and the
-        deepest position.  In C (``wide_walk``) when built and the masks fit its words."""
-        words = (len(self._by_wid) + 63) >> 6
-        native = hashing.NATIVE
-        if native is not None and 0 < words <= _WIDE_WORDS_MAX and type(keys) is list:
-            found: tuple[list[tuple[int, int]], int] = native.wide_walk(keys, self._masks[0], allowed, words)
-            return found
+        deepest position.  :meth:`deepest_npu` walks in C (``wide_walk``, the same ends) when
+        built, the keys are a list and the masks fit its words; this is the walk elsewhere."""
         get = self._masks[0].get
         holders = get(keys[0], 0)
         held = allowed & (holders if holders >= 0 else 1 << ~holders)
@@ -504,11 +515,11 @@ class PrefixIndex:
                 else:
                     ranks.update(fresh)
 
-    def _deepest_of(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+    def _deepest_of(self, leaves: Sequence[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
         """:meth:`_deepest`, remembered by the walk's ends: similar prompts end their walks
         alike, and the same ends name the same ranks until a worker comes or goes (which
         forgets them all).  Bounded; the dict returned is shared, never mutated."""
-        key = tuple(leaves)
+        key = leaves if type(leaves) is tuple else tuple(leaves)
         found = self._deepest_seen.get(key)
         if found is None:
             if len(self._deepest_seen) >= _DEEPEST_SEEN_MAX:
@@ -516,7 +527,7 @@ class PrefixIndex:
             found = self._deepest_seen[key] = self._deepest(leaves)
         return found
 
-    def _deepest(self, leaves: list[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+    def _deepest(self, leaves: Sequence[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
         """Per instance its deepest leaver (lowest rank among equals): deepest first, and an
         instance once found masks all its workers out of the shallower records."""
         best: dict[str, tuple[int, TierHit]] = {}
