@@ -30,9 +30,11 @@ for the two phases with rank loads).
 every phase). Unlike the latencies they hardly move when other processes load the machine,
 so they tell a server-side change from noise. ``*_cpu_us_rounds``: the same per round (each
 phase runs ``--rounds`` times, interleaved): on a shared host one round of a phase can cost
-a third more than another of the same phase with the same code.
+a third more than another of the same phase with the same code. Hence 18 rounds by default
+(~100 s a run): with 6, the round-to-round spread alone moved a phase's ratio to the no-op
+by ~0.1 between runs of the same code (docs/operations.md).
 
-    python bench/service.py [--clients 64] [--seconds 1] [--rounds 6] [--tokens 6144] [--phases query_distinct]
+    python bench/service.py [--clients 64] [--seconds 1] [--rounds 18] [--tokens 6144] [--phases query_distinct]
 """
 
 from __future__ import annotations
@@ -350,7 +352,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=1.0, help="per phase")
-    parser.add_argument("--rounds", type=int, default=6, help="noop/query phase pairs, interleaved")
+    parser.add_argument("--rounds", type=int, default=18, help="rounds of every phase, interleaved")
     parser.add_argument("--tokens", type=int, default=6144, help="prompt length of each /query")
     parser.add_argument("--instances", type=int, default=8)
     parser.add_argument("--ranks", type=int, default=16)
