@@ -174,6 +174,36 @@ def test_fanin_restart_is_noticed_and_counts_one_resync(endpoint: str) -> None:
         second.close()
 
 
+def test_a_closing_fanin_takes_no_reconnection_from_the_ranks_it_closes(
+    endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a fan-in closes its ranks' connections, a rank that sees its own close and
+    reconnects at once (the sender thread does, any time) finds no listener - not the closing
+    one, which would queue the connection, reset it and cost the rank a resync for a fan-in
+    already gone."""
+    listener = PacketListener(endpoint)
+    pusher = PacketPusher(endpoint)
+    assert pusher.send(0, 1, 0, b"a") and read_all(listener, 1) == [(0, 0, b"a")]
+    closing = listener._close
+    attempts: list[bool] = []
+
+    def close_then_reconnect(fd: int) -> None:
+        closing(fd)
+        pusher.service()  # end of file seen, a reconnection tried at once (RETRY_S is 0 here)
+        attempts.append(pusher.connected)
+
+    monkeypatch.setattr(listener, "_close", close_then_reconnect)
+    listener.close()
+    assert attempts == [False]  # the connection closed; no listener took the rank back
+    assert pusher.resets == 1 and pusher.connects == 1
+    successor = PacketListener(endpoint)
+    try:
+        pusher.service()
+        assert pusher.connected and pusher.connects == 2 and pusher.reconnections() == 1  # one resync, for it
+    finally:
+        successor.close()
+
+
 def test_first_connection_after_a_drop_counts_as_a_resync(endpoint: str) -> None:
     pusher = PacketPusher(endpoint, limit=2)
     assert [pusher.send(0, 1, seq, b"x") for seq in range(3)] == [True, True, False]

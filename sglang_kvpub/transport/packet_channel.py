@@ -339,15 +339,20 @@ class PacketListener:
             conn.sock.close()
 
     def close(self) -> None:
-        for fd in list(self.connections):
-            self._close(fd)
+        # The listening socket and its file first: a rank whose connection the loop below
+        # closes reconnects at once, and a listener still open would take that connection
+        # into its queue (a SEQPACKET connect completes there), reset it a moment later, and
+        # the rank would count a reconnection - and request a resync - for a fan-in already
+        # gone, besides the one for the fan-in that comes next.
         self.sock.close()
-        if self._spare is not None:
-            os.close(self._spare)
-            self._spare = None
         with contextlib.suppress(OSError):
             if _file_identity(self.path) == self._identity:  # not a newer fan-in's socket
                 os.unlink(self.path)
+        for fd in list(self.connections):
+            self._close(fd)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
 
 
 def _file_identity(path: str) -> tuple[int, int]:
