@@ -622,14 +622,11 @@ class AdapterState:
         changes = book.changes  # read first: a change while rendering is seen next time
         now = time.monotonic()
         last = view.rank_last
-        if last[0] is best:  # a new prompt's walk most often ends as the last one's: its table at hand
-            if last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
-                got: rank_render.Rendered = last[4]
-                rank_render.replay(static, last[5], book, got, prompt)
-                return got
-            table = last[5]
-        else:
-            table = view.rank_tables.get(id(best))
+        if last[0] is best and last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
+            got: rank_render.Rendered = last[4]
+            rank_render.replay(static, last[5], book, got, prompt)
+            return got
+        table = view.rank_tables.get(id(best))
         if table is None or table.best is not best:
             # The per-rank hits of these walk ends: one walk more when they first appear.
             params = view.rank_params

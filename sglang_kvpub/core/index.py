@@ -400,9 +400,7 @@ class PrefixIndex:
             self._queries += 1
             if not keys:
                 return _NO_HITS
-            asked, allowed = self._allowed
-            if asked is not instances:
-                allowed = self._instance_mask(instances)
+            allowed = self._instance_mask(instances)
             walks = self._walks
             remember = type(keys) is list
             last = keys[-1]
@@ -410,39 +408,37 @@ class PrefixIndex:
             if type(walked) is tuple and walked[0] == allowed and walked[1] == keys:
                 found, position = walked[2], walked[3]
             else:
-                # The per-query path of every new prompt: the C walk and the ends' lookup
-                # written out here (_npu_leaves, _deepest_of), a Python call each saved.
+                # Every new prompt's path: the C walk called here, and its ends (a tuple, the
+                # memo's key as it comes) looked up here, a Python call each saved.
                 words = (len(self._by_wid) + 63) >> 6
-                ends: Sequence[tuple[int, int]]
+                ends: tuple[tuple[int, int], ...]
                 if remember and 0 < words <= _WIDE_WORDS_MAX and (native := hashing.NATIVE) is not None:
-                    walked_ends: tuple[tuple[int, int], ...]
-                    walked_ends, position = native.wide_walk(keys, self._masks[0], allowed, words)
-                    seen = self._deepest_seen.get(walked_ends) if walked_ends else _NO_HITS
-                    ends = walked_ends
+                    ends, position = native.wide_walk(keys, self._masks[0], allowed, words)
                 else:
                     ends, position = self._npu_leaves(keys, allowed)
-                    seen = None if ends else _NO_HITS
-                found = seen if seen is not None else self._deepest_of(ends)
+                found = self._deepest_seen.get(ends) if ends else _NO_HITS
+                if found is None:
+                    found = self._deepest_of(ends)
                 if remember:
                     if len(walks) >= _WALKS_MAX:
                         walks.clear()
                     # a copy of the keys: the caller's list may change
                     walks[last] = None if walked is _UNSEEN else (allowed, keys[:], found, position)
-            capacity = self.capacity_blocks  # _refresh, written out
-            if position and capacity is not None and 2 * sum(self._entries) > capacity:
+            if position and self._refresh():
                 self._touch(keys[:position])
             return found
 
-    def _npu_leaves(self, keys: Sequence[int], allowed: int) -> tuple[list[tuple[int, int]], int]:
+    def _npu_leaves(self, keys: Sequence[int], allowed: int) -> tuple[tuple[tuple[int, int], ...], int]:
         """The NPU walk of ``keys`` for the workers of ``allowed``: ``(position, workers whose
         prefix ends there)`` in ascending position (none when no worker holds block 0), and the
-        deepest position.  :meth:`deepest_npu` walks in C (``wide_walk``, the same ends) when
-        built, the keys are a list and the masks fit its words; this is the walk elsewhere."""
+        deepest position.  :meth:`deepest_npu` walks in C (``wide_walk``, the same ends, a
+        tuple too) when built, the keys are a list and the masks fit its words; this is the
+        walk elsewhere."""
         get = self._masks[0].get
         holders = get(keys[0], 0)
         held = allowed & (holders if holders >= 0 else 1 << ~holders)
         if not held:
-            return [], 0
+            return (), 0
         leaves: list[tuple[int, int]] = []
         position = 1
         for key in islice(keys, 1, None):
@@ -451,11 +447,11 @@ class PrefixIndex:
             if kept != held:
                 leaves.append((position, held ^ kept))
                 if not kept:
-                    return leaves, position
+                    return tuple(leaves), position
                 held = kept
             position += 1
         leaves.append((position, held))
-        return leaves, position
+        return tuple(leaves), position
 
     def _query_npu(self, chunks: Iterable[Sequence[int]], allowed: int | None) -> dict[str, dict[int, TierHit]]:
         """:meth:`query_keys` while only the NPU tier holds blocks (under the lock), over
@@ -515,16 +511,15 @@ class PrefixIndex:
                 else:
                     ranks.update(fresh)
 
-    def _deepest_of(self, leaves: Sequence[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
+    def _deepest_of(self, leaves: tuple[tuple[int, int], ...]) -> dict[str, tuple[int, TierHit]]:
         """:meth:`_deepest`, remembered by the walk's ends: similar prompts end their walks
         alike, and the same ends name the same ranks until a worker comes or goes (which
         forgets them all).  Bounded; the dict returned is shared, never mutated."""
-        key = leaves if type(leaves) is tuple else tuple(leaves)
-        found = self._deepest_seen.get(key)
+        found = self._deepest_seen.get(leaves)
         if found is None:
             if len(self._deepest_seen) >= _DEEPEST_SEEN_MAX:
                 self._deepest_seen.clear()
-            found = self._deepest_seen[key] = self._deepest(leaves)
+            found = self._deepest_seen[leaves] = self._deepest(leaves)
         return found
 
     def _deepest(self, leaves: Sequence[tuple[int, int]]) -> dict[str, tuple[int, TierHit]]:
