@@ -346,6 +346,10 @@ static int text_round1(text_t *t, double v) {
     }
     char buf[48];
     const int n = snprintf(buf, sizeof buf, "%.1f", v);
+    if (n < 0 || n >= (int)sizeof buf) { /* callers render only renderable() figures: never */
+        PyErr_SetString(PyExc_ValueError, "a figure too long to render");
+        return -1;
+    }
     return text_raw(t, buf, (size_t)n);
 }
 
@@ -825,17 +829,26 @@ fail:
     return out;
 }
 
-/* rank_replay(replay, streams, live, cells, resolve, prompt, changes) -> None
+/* rank_replay(replay, streams, live, cells, resolve, changes, prompt) -> None
  *
  * The side effects of an answer rank_answer gave before (its `replay`), made again for a query
- * answered with it: the same metrics, the commit for `prompt`. */
-static PyObject *answer_rank_replay(PyObject *self, PyObject *args) {
+ * answered with it: the same metrics, the commit for `prompt`.  `prompt` comes last so a caller
+ * binds the rest once per answer (functools.partial) and calls with the prompt alone; fast call
+ * convention: no argument tuple per query. */
+static PyObject *answer_rank_replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    PyObject *replay, *streams, *live, *cells, *resolve, *prompt, *changes;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!OOO", &PyBytes_Type, &replay, &PyTuple_Type, &streams, &PyDict_Type, &live,
-                          &PyTuple_Type, &cells, &resolve, &prompt, &changes) ||
-        check_changes(changes) != 0 ||
-        make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "rank_replay takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *replay = args[0], *streams = args[1], *live = args[2], *cells = args[3], *resolve = args[4],
+             *changes = args[5], *prompt = args[6];
+    if (!PyBytes_Check(replay) || !PyTuple_Check(streams) || !PyDict_Check(live) || !PyTuple_Check(cells)) {
+        PyErr_SetString(PyExc_TypeError, "rank_replay(replay: bytes, streams: tuple, live: dict, cells: tuple, "
+                                         "resolve, changes, prompt)");
+        return NULL;
+    }
+    if (check_changes(changes) != 0 || make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
         return NULL;
     }
     Py_RETURN_NONE;
@@ -846,8 +859,8 @@ static PyMethodDef answer_methods[] = {
      "rank_answer(board, streams, live, now, stale_after, isl, spread, cells, resolve, prompt, changes) -> False | "
      "None | (json, best_blocks, until, replay): the rank-aware /query answer, its commit and metrics made "
      "(see _answer.c)."},
-    {"rank_replay", answer_rank_replay, METH_VARARGS,
-     "rank_replay(replay, streams, live, cells, resolve, prompt, changes) -> None: an answer's commit and metrics "
+    {"rank_replay", (PyCFunction)(void (*)(void))answer_rank_replay, METH_FASTCALL,
+     "rank_replay(replay, streams, live, cells, resolve, changes, prompt) -> None: an answer's commit and metrics "
      "made again."},
     {NULL, NULL, 0, NULL},
 };

@@ -86,11 +86,16 @@ class RankLoadBook:
         # Every report, effective commit and forget: tokens read before it still hold.  One
         # int64 the C renderer counts in too (a commit it makes).
         self.changes_cell = bytearray(8)
-        self._changes = memoryview(self.changes_cell).cast("q")
+        # The same int64 as an item: ``changes_count[0]`` is :attr:`changes` read without a
+        # property call (the /query hot path reads it once per query).
+        self.changes_count = memoryview(self.changes_cell).cast("q")
+        # Whether any instance has figures (fresh or stale), kept by the writers: without,
+        # /query asks none.  An attribute: read once per query.
+        self.figured = False
 
     @property
     def changes(self) -> int:
-        return int(self._changes[0])
+        return int(self.changes_count[0])
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -120,7 +125,8 @@ class RankLoadBook:
             )
             # The new figures include what was committed before them: no commit carries over.
             self._live[instance] = (_pack_loads(received, self._version, current), set())
-            self._changes[0] += 1
+            self.figured = True
+            self.changes_count[0] += 1
 
     def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
         """The instance's figures, or None when it has none or they are stale."""
@@ -130,10 +136,6 @@ class RankLoadBook:
         if (time.monotonic() if now is None else now) - found.received > self.stale_after_s:
             return None
         return found
-
-    def has_figures(self) -> bool:
-        """Whether any instance has figures (fresh or stale): without, ``/query`` asks none."""
-        return bool(self._by_instance)
 
     def token(self, instance: str, now: float) -> tuple[int, int] | None:
         """What :meth:`get` and :meth:`current` say of ``instance`` at ``now``, as a key: None
@@ -191,13 +193,14 @@ class RankLoadBook:
             words[_HEAD_WORDS + rank] += tokens
             words[1] = sum(words[_HEAD_WORDS:])
         words[3] += 1.0
-        self._changes[0] += 1
+        self.changes_count[0] += 1
 
     def forget(self, instance: str) -> None:
         with self._write:
             self._by_instance.pop(instance, None)
             self._live.pop(instance, None)
-            self._changes[0] += 1
+            self.figured = bool(self._by_instance)
+            self.changes_count[0] += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

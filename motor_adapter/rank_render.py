@@ -13,6 +13,7 @@ set, or it declines an answer (a figure that would not render exactly), the refe
 
 from __future__ import annotations
 
+import functools
 import os
 from array import array
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +25,7 @@ from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
 
-__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replay", "static_inputs"]
+__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replay", "replayer", "static_inputs"]
 
 
 def _load() -> Any:
@@ -154,7 +155,16 @@ def render(
 
 def replay(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered, prompt: int) -> None:
     """The side effects of ``rendered`` (an answer of ``table``) made again for ``prompt``."""
-    NATIVE.rank_replay(rendered[3], static.streams, book.live(), table.cells, table.resolve, prompt, book.changes_cell)
+    NATIVE.rank_replay(rendered[3], static.streams, book.live(), table.cells, table.resolve, book.changes_cell, prompt)
+
+
+def replayer(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered) -> Callable[[int], None]:
+    """:func:`replay` of ``rendered`` bound once, called with the prompt alone: one C call
+    per repeat (the book's live mapping and changes cell stay the same objects for its life)."""
+    bound: Callable[[int], None] = functools.partial(
+        NATIVE.rank_replay, rendered[3], static.streams, book.live(), table.cells, table.resolve, book.changes_cell
+    )
+    return bound
 
 
 def renders(params: CostParams) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Union
 
 import msgspec
-from aiohttp import web
+from aiohttp import hdrs, web
 from xxhash import xxh3_128_intdigest as _xxh3_128
 
 from motor_adapter import metrics
@@ -100,7 +100,7 @@ def _json_response(data: Any) -> web.Response:
 
 
 def _wants_msgpack(request: web.Request) -> bool:
-    accept = request.headers.get("Accept")
+    accept = request.headers.get(hdrs.ACCEPT)  # aiohttp's case-folded name: no fold per lookup
     return bool(accept and "msgpack" in accept and any(kind in accept for kind in MSGPACK_TYPES))
 
 
@@ -255,7 +255,7 @@ class _Handlers:
             raise RequestError(413, "body_too_large", f"body larger than {limit} bytes") from exc
         if len(raw) > limit:
             raise RequestError(413, "body_too_large", f"{len(raw)} bytes > limit {limit}")
-        given = request.headers.get("Content-Type")
+        given = request.headers.get(hdrs.CONTENT_TYPE)
         if given in _MSGPACK_HEADERS:  # the common exact header: no parse of its parameters
             return raw, True
         return raw, request.content_type in MSGPACK_TYPES
@@ -275,7 +275,7 @@ class _Handlers:
         token = self.config.auth_token
         if not token:
             return
-        given = request.headers.get("Authorization", "")
+        given = request.headers.get(hdrs.AUTHORIZATION, "")
         if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), token.encode())):
             raise RequestError(401, "unauthorized", "this endpoint needs Authorization: Bearer <token>")
 

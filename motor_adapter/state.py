@@ -117,8 +117,9 @@ class _View:
     rank_params: Union[CostParams, None] = None  # the rank cost's constants at this block size
     rank_tables: dict[int, rank_render.RankTable] = dataclasses.field(default_factory=dict)
     # The last rendered answer: (walk result, isl, spread, book changes, rendered, table, its
-    # Answer once made - the one object a repeat of it is given, its encodings included).
-    rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 7)
+    # Answer once made - the one object a repeat of it is given, its encodings included -, its
+    # replay bound once made: rank_render.replayer).
+    rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 8)
 
 
 _Observed = tuple[str, str, int, TierCounts]  # (instance, dp key, engine rank, hit): the metrics' view of a hit
@@ -500,21 +501,31 @@ class AdapterState:
         tie-break key (``rank_cost.spread_key``, the dispatcher computes the same)."""
         view = self._views.get((model, tenant, block_size)) or self._view(model, tenant, block_size)
         affinity = view.affinity
-        if view.rank_static is not None and affinity is not None and affinity.loads.has_figures():
+        if view.rank_static is not None and affinity is not None and affinity.loads.figured:
             best_walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (the reference answers)
             if best_walk is not None:
                 size = isl if isl is not None else blocks * block_size
                 prompt = keys[-1] if keys else spread  # the commit's key: once per prompt between two reports
-                got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread, prompt)
+                book = affinity.loads
+                changes = book.changes_count[0]  # read first: a change while rendering is seen next time
+                now = time.monotonic()
+                last = view.rank_last
+                if last[0] is best_walk and last[1] == size and last[2] == spread and last[3] == changes:
+                    again: rank_render.Rendered = last[4]
+                    if now < again[2]:  # the last answer holds: given again, its side effects made again
+                        replay = last[7]
+                        if replay is None:  # bound at the first repeat: a new prompt's render skips it
+                            replay = last[7] = rank_render.replayer(view.rank_static, last[5], book, again)
+                        replay(prompt)
+                        self.metrics.observe_query(model, again[1], blocks, started)
+                        answer: Answer = last[6]  # one object for every repeat, its encodings included
+                        if answer is None:
+                            answer = last[6] = Answer(None, {JSON_TYPE: again[0]})
+                        return answer
+                got = self._rank_answer_native(view, block_size, keys, best_walk, size, spread, prompt, changes, now)
                 if got:  # its commit and metrics made; False: no fresh loads; None: the reference renders it
                     self.metrics.observe_query(model, got[1], blocks, started)
-                    last = view.rank_last
-                    if last[4] is not got:
-                        return Answer(None, {JSON_TYPE: got[0]})
-                    answer: Answer = last[6]  # the last rendered answer, given again: one object
-                    if answer is None:
-                        answer = last[6] = Answer(None, {JSON_TYPE: got[0]})
-                    return answer
+                    return Answer(None, {JSON_TYPE: got[0]})
         loads = _loads_tokens(view)
         if loads is not None:
             size = isl if isl is not None else blocks * block_size
@@ -605,27 +616,24 @@ class AdapterState:
         isl: int,
         spread: int,
         prompt: int,
+        changes: int,
+        now: float,
     ) -> Union[rank_render.Rendered, Literal[False], None]:
         """The rank-aware answer of walk result ``best`` rendered in C (``rank_render.render``:
         False without fresh loads, None when it declines, and the reference answers), its
-        commit (keyed by ``prompt``) and metrics made.
+        commit (keyed by ``prompt``) and metrics made, under the book's ``changes`` read
+        before (and at monotonic ``now``).
 
-        The last one is kept: asked again for the same walk result, ``isl`` and ``spread``
-        while the book has not changed (its ``changes``: every report, effective commit and
-        forget) and no instance has gone stale, it is answered again without rendering (its
-        commit and metrics made again: ``rank_render.replay``) - a prompt asked again and
+        The last one is kept (``view.rank_last``): asked again for the same walk result,
+        ``isl`` and ``spread`` while the book has not changed (its ``changes``: every report,
+        effective commit and forget) and no instance has gone stale, :meth:`answer_keys`
+        gives it again without rendering, its commit and metrics made again by one C call
+        (``rank_render.replayer``, bound at its first repeat) - a prompt asked again and
         again (a retry, several routers, a poll) costs no render, and a stream of new prompts
         costs one slot, not a memo to fill and clear."""
         static, affinity = view.rank_static, view.affinity
         assert static is not None and affinity is not None
         book = affinity.loads
-        changes = book.changes  # read first: a change while rendering is seen next time
-        now = time.monotonic()
-        last = view.rank_last
-        if last[0] is best and last[1] == isl and last[2] == spread and last[3] == changes and now < last[4][2]:
-            got: rank_render.Rendered = last[4]
-            rank_render.replay(static, last[5], book, got, prompt)
-            return got
         table = view.rank_tables.get(id(best))
         if table is None or table.best is not best:
             # The per-rank hits of these walk ends: one walk more when they first appear.
@@ -638,7 +646,7 @@ class AdapterState:
             _remember(view.rank_tables, id(best), table)
         rendered = rank_render.render(static, table, book, now, isl, spread, prompt)
         if rendered:
-            last[:] = (best, isl, spread, changes, rendered, table, None)
+            view.rank_last[:] = (best, isl, spread, changes, rendered, table, None, None)
         return rendered
 
     def _rank_cells(
@@ -903,7 +911,7 @@ def _loads_tokens(view: _View) -> Union[_Loads, None]:
     """The view's :class:`_Loads` when any instance has fresh rank loads, else None (answer by
     the longest hit)."""
     affinity = view.affinity
-    if affinity is None or not affinity.loads.has_figures():
+    if affinity is None or not affinity.loads.figured:
         return None
     book, now = affinity.loads, time.monotonic()
     seen = view.loads_seen

@@ -176,6 +176,92 @@ def test_wide_walk_reads_masks_of_every_width_exactly(words: int, data: st.DataO
 
 
 @pytest.mark.unit
+@settings(max_examples=300, deadline=None)
+@given(words=st.integers(1, 3), data=st.data())
+def test_wide_walk_from_a_prior_walk_is_the_whole_walk(words: int, data: st.DataObject) -> None:
+    """Given an earlier walk's keys and ends (the same workers, the same masks), the walk
+    starts where the two key lists part and gives the whole walk's ends and depth: lists
+    that share nothing, a few leading keys, all of them, one a prefix of the other; keys
+    shared as the same objects or as equal ones; prior walks that ended early."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    width = 64 * words
+    bit = st.integers(0, width - 1)
+    mask = st.one_of(st.sets(bit, max_size=8).map(lambda bits: sum(1 << b for b in bits)), bit.map(lambda b: ~b))
+    key = st.integers(1, 30).map(lambda k: (1 << 40) + k)  # past the small-int cache: equal is not identical
+    masks = data.draw(st.dictionaries(key, mask, max_size=30))
+    held = data.draw(st.integers(0, (1 << width) - 1))
+    shared = data.draw(st.lists(key, max_size=16))
+    prior = [*shared, *data.draw(st.lists(key, max_size=8))]
+    tail = data.draw(st.lists(key, max_size=8))
+    keys = [*shared, *tail] if data.draw(st.booleans()) else [*[int(str(k)) for k in shared], *tail]
+    if not keys or not prior:
+        return
+    prior_ends, _ = hashing.NATIVE.wide_walk(prior, masks, held, words)
+    whole = _walk_reference(keys, masks, held)
+    assert hashing.NATIVE.wide_walk(keys, masks, held, words, prior, prior_ends) == whole
+    assert hashing.NATIVE.wide_walk(keys, masks, held, words) == whole
+
+
+@pytest.mark.unit
+def test_wide_walk_refuses_a_prior_walk_it_cannot_read() -> None:
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    with pytest.raises(TypeError, match="together"):
+        hashing.NATIVE.wide_walk([5], {5: 1}, 1, 1, [5])
+    for bad in (((0, 1),), ((2, 1), (1, 1)), ((1, "x"),), (1,)):
+        with pytest.raises((ValueError, TypeError)):
+            hashing.NATIVE.wide_walk([5, 6], {5: 1, 6: 1}, 1, 1, [5, 7], bad)
+
+
+@pytest.mark.unit
+@settings(max_examples=60, deadline=None)
+@given(
+    stores=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 20), st.integers(0, 2), st.integers(0, 8)), min_size=1, max_size=60
+    ),
+    asks=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10), st.integers(0, 3)), min_size=2, max_size=12),
+    writes=st.sets(st.integers(0, 11), max_size=4),
+)
+def test_prompts_sharing_leading_blocks_are_answered_as_walked_whole(
+    stores: list[tuple[int, int, int, int]], asks: list[tuple[int, int, int]], writes: set[int]
+) -> None:
+    """``deepest_npu`` walks a new prompt from where its keys part from the last walk's (no
+    change of the index since, the same workers): prompts of one family sharing 0-10 leading
+    blocks then a tail of their own, asked in turn with writes between some, are answered
+    as the Python walk of a twin index answers them."""
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("the C helpers are not built here")
+    bases = [[base * 1000 + i for i in range(12 * IBS)] for base in range(3)]
+    index, twin = PrefixIndex(IBS), PrefixIndex(IBS)
+    for target in (index, twin):
+        random.seed(5)
+        for instance, rank, base, blocks in stores:
+            _store(target, f"i{instance}", rank, bases[base][: blocks * IBS])
+    asked = ("i0", "i1", "i2", "i3")
+    for turn, (base, blocks, tail) in enumerate(asks):
+        keys = sequence_keys([*bases[base][: blocks * IBS], *[7 + turn] * (tail * IBS)], IBS)
+        if not keys:
+            continue
+        if turn in writes:  # the index changes: the last walk no longer holds
+            for target in (index, twin):
+                random.seed(turn)
+                _store(target, "i1", 9, bases[base][: (blocks + 1) * IBS])
+        native, hashing.NATIVE = hashing.NATIVE, None
+        try:
+            expected = twin.deepest_npu(keys, asked)
+        finally:
+            hashing.NATIVE = native
+        assert index.deepest_npu(keys, asked) == expected
+
+
+@pytest.mark.unit
 def test_wide_walk_refuses_a_mask_wider_than_its_words() -> None:
     from sglang_kvpub.core import hashing
 
@@ -414,6 +500,87 @@ def test_a_remembered_walk_answers_only_the_keys_it_walked() -> None:
     assert index.deepest_npu(keys, ("a",)) == {"a": (0, TierHit(3, 0, 0))}
     keys[0] = 12345  # no one holds this block 0
     assert index.deepest_npu(keys, ("a",)) == {}
+
+
+class _WriteDuringRead(dict):  # type: ignore[type-arg]
+    """A walk memo whose read runs ``writer`` right after it: a subscriber thread's write
+    landing between the lock-free path's memo read and its instance-mask read."""
+
+    writer: Any = None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        found = super().get(key, default)
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer()
+        return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("writer", ["clear_instance", "new_rank"])
+def test_a_write_between_the_memo_read_and_the_mask_read_is_answered_after_it(writer: str) -> None:
+    """``deepest_npu`` gives a remembered walk without the lock.  A write that lands after
+    it read the remembered entry and changes which workers the asked instances have (an
+    instance cleared, a rank appearing) resets the instance-mask cache, so the query takes
+    the locked path and answers the index after the write - not the remembered walk."""
+    index = PrefixIndex(IBS)
+    tokens = list(range(3 * IBS))
+    _store(index, "a", 0, tokens)
+    keys = sequence_keys(tokens, IBS)
+    asked = ("a",)
+    first = index.deepest_npu(keys, asked)
+    assert index.deepest_npu(keys, asked) is first  # walked twice: remembered
+    assert first == {"a": (0, TierHit(3, 0, 0))}
+    memo = _WriteDuringRead(index._walks)
+    index._walks = memo
+    if writer == "clear_instance":
+        memo.writer = lambda: index.clear_instance("a")
+        expected: dict[str, tuple[int, TierHit]] = {}
+    else:  # a rank of "a" stores the prompt deeper (a new worker: the masks change)
+        memo.writer = lambda: _store(index, "a", 3, [*tokens, 9, 9, 9, 9])
+        expected = {"a": (0, TierHit(3, 0, 0))}
+    got = index.deepest_npu(keys, asked)
+    assert memo.writer is None  # the write ran inside the read
+    assert got is not first
+    assert got == expected
+    assert got == _fold(index, keys, asked)
+
+
+@pytest.mark.unit
+def test_remembered_walks_under_a_concurrent_writer_are_whole_states() -> None:
+    """A subscriber thread stores and removes a rank's blocks while the loop thread asks
+    the same keys again and again (the lock-free remembered path and the locked walk in
+    turn): every answer is the index in one of its states, never a mixture."""
+    import threading
+
+    index = PrefixIndex(IBS)
+    tokens = list(range(4 * IBS))
+    _store(index, "a", 0, tokens[: 2 * IBS])
+    keys = sequence_keys(tokens, IBS)
+    hashes = [random.getrandbits(62) + 1 for _ in range(4)]
+    stored = wire.BlockStored(block_hashes=hashes, token_ids=tokens, block_size=IBS)
+    removed = wire.BlockRemoved(block_hashes=hashes)
+    states = [{"a": (0, TierHit(2, 0, 0))}, {"a": (1, TierHit(4, 0, 0))}]
+    stop = threading.Event()
+    writes = [0]
+
+    def write() -> None:
+        while not stop.is_set():
+            for event in (stored, removed):
+                index.apply_batch("a", wire.EventBatch(ts=0.0, events=[event], dp_rank=1))
+                writes[0] += 1
+
+    thread = threading.Thread(target=write)
+    seen: list[Any] = []
+    thread.start()
+    try:
+        while writes[0] < 2_000 and len(seen) < 2_000_000:  # reads for as long as the writer writes
+            seen.append(index.deepest_npu(keys, ("a",)))
+    finally:
+        stop.set()
+        thread.join()
+    assert writes[0] >= 2_000
+    assert all(answer in states for answer in seen), [a for a in seen if a not in states][:3]
 
 
 @pytest.mark.unit

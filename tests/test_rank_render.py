@@ -237,6 +237,6 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
 def test_a_malformed_replay_or_counter_is_refused() -> None:
     book = RankLoadBook()
     with pytest.raises(ValueError, match="malformed replay"):
-        rank_render.NATIVE.rank_replay(b"\0" * 8, ("s",), book.live(), ({},), print, 1, book.changes_cell)
+        rank_render.NATIVE.rank_replay(b"\0" * 8, ("s",), book.live(), ({},), print, book.changes_cell, 1)
     with pytest.raises(TypeError, match="8-byte counter"):
-        rank_render.NATIVE.rank_replay(b"\0" * 32, ("s",), book.live(), ({},), print, 1, bytearray(4))
+        rank_render.NATIVE.rank_replay(b"\0" * 32, ("s",), book.live(), ({},), print, bytearray(4), 1)

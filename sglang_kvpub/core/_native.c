@@ -818,22 +818,56 @@ static int wide_end(PyObject *ends, Py_ssize_t position, const uint64_t *mask, i
     return failed ? -1 : 0;
 }
 
-/* wide_walk(keys, masks, held, words) -> (ends, depth)
+/* How many leading items `keys` and `prior` (lists of ints) share: by identity first (a body's
+ * keys taken from a recent body's are the same objects), else by value; -1 with an exception
+ * set when a comparison fails. */
+static Py_ssize_t wide_common_prefix(PyObject *keys, PyObject *prior) {
+    const Py_ssize_t n = Py_MIN(PyList_GET_SIZE(keys), PyList_GET_SIZE(prior));
+    Py_ssize_t i = 0;
+    for (; i < n; i++) {
+        PyObject *a = PyList_GET_ITEM(keys, i), *b = PyList_GET_ITEM(prior, i);
+        if (a == b) {
+            continue;
+        }
+        const int same = PyObject_RichCompareBool(a, b, Py_EQ);
+        if (same < 0) {
+            return -1;
+        }
+        if (!same) {
+            break;
+        }
+    }
+    return i;
+}
+
+/* wide_walk(keys, masks, held, words[, prior_keys, prior_ends]) -> (ends, depth)
  *
  * PrefixIndex's NPU walk over the chained `keys` (a list) for the workers of `held` (an
  * int below 2^(64 * words)): `ends` is a tuple of (position, workers holding exactly
  * `position` blocks) in ascending position - hashable as it comes, the key of the index's
  * memo of walk ends - and `depth` the deepest position; the walk stops at the first key
- * none of the remaining workers holds. */
+ * none of the remaining workers holds.
+ *
+ * With `prior_keys` and `prior_ends` - an earlier walk's keys and ends, for the same `held`
+ * over the same masks (the caller keeps them only until the index changes) - the walk
+ * starts where the two lists part: the ends before that position are the prior walk's, the
+ * workers still held there are those of its ends at or past it, and only the keys after
+ * are probed.  The same answer as the whole walk; a new prompt that shares its leading
+ * blocks with one walked just before (the next turn, a shared system prompt, a retry with a
+ * new tail) pays for its own tail only. */
 static PyObject *native_wide_walk(PyObject *self, PyObject *args) {
-    PyObject *keys, *masks, *held_object;
+    PyObject *keys, *masks, *held_object, *prior_keys = NULL, *prior_ends = NULL;
     int count;
-    if (!PyArg_ParseTuple(args, "O!O!O!i", &PyList_Type, &keys, &PyDict_Type, &masks, &PyLong_Type, &held_object,
-                          &count)) {
+    if (!PyArg_ParseTuple(args, "O!O!O!i|O!O!", &PyList_Type, &keys, &PyDict_Type, &masks, &PyLong_Type, &held_object,
+                          &count, &PyList_Type, &prior_keys, &PyTuple_Type, &prior_ends)) {
         return NULL;
     }
     if (count < 1 || count > WIDE_WORDS_MAX) {
         PyErr_Format(PyExc_ValueError, "words must be in [1, %d], got %d", WIDE_WORDS_MAX, count);
+        return NULL;
+    }
+    if ((prior_keys == NULL) != (prior_ends == NULL)) {
+        PyErr_SetString(PyExc_TypeError, "wide_walk takes prior_keys and prior_ends together");
         return NULL;
     }
     uint64_t held[WIDE_WORDS_MAX], holders[WIDE_WORDS_MAX], left[WIDE_WORDS_MAX];
@@ -844,13 +878,54 @@ static PyObject *native_wide_walk(PyObject *self, PyObject *args) {
     if (ends == NULL) {
         return NULL;
     }
-    Py_ssize_t position = 0;
+    Py_ssize_t position = 0, start = 0;
+    if (prior_keys != NULL) {
+        start = wide_common_prefix(keys, prior_keys);
+        if (start < 0) {
+            goto failed;
+        }
+    }
+    if (start > 0) {
+        /* the prior walk's ends before `start` as they are; the workers of its ends at or past
+         * it hold keys[:start] (the shared keys): the walk goes on from there with them */
+        memset(held, 0, (size_t)count * 8);
+        Py_ssize_t last = 0;
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(prior_ends); k++) {
+            PyObject *end = PyTuple_GET_ITEM(prior_ends, k);
+            Py_ssize_t at;
+            if (!PyTuple_Check(end) || PyTuple_GET_SIZE(end) != 2 || !PyLong_Check(PyTuple_GET_ITEM(end, 1)) ||
+                ((at = PyLong_AsSsize_t(PyTuple_GET_ITEM(end, 0))) == -1 && PyErr_Occurred()) || at <= last) {
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_ValueError, "prior_ends must be a walk's ends: (position, mask) pairs, "
+                                                      "positions ascending from 1");
+                }
+                goto failed;
+            }
+            last = at;
+            if (at < start) {
+                if (PyList_Append(ends, end) != 0) {
+                    goto failed;
+                }
+                position = at;
+                continue;
+            }
+            if (wide_from_long(PyTuple_GET_ITEM(end, 1), holders, count) != 0) {
+                goto failed;
+            }
+            for (int w = 0; w < count; w++) {
+                held[w] |= holders[w];
+            }
+        }
+    }
     uint64_t any = 0;
     for (int w = 0; w < count; w++) {
         any |= held[w];
     }
+    if (start > 0 && any != 0) {
+        position = start; /* every held worker holds the shared keys */
+    }
     const Py_ssize_t total = PyList_GET_SIZE(keys);
-    for (Py_ssize_t block = 0; any != 0 && block < total; block++) {
+    for (Py_ssize_t block = start; any != 0 && block < total; block++) {
         PyObject *value = PyDict_GetItemWithError(masks, PyList_GET_ITEM(keys, block)); /* borrowed */
         if (value == NULL) {
             if (PyErr_Occurred()) {
@@ -2971,7 +3046,8 @@ static PyMethodDef native_methods[] = {
      "npu_walk_ranks(tokens, block_size, seed, blocks, masks, held, out, rank_of) -> depth: npu_walk, ends "
      "emitted as out[rank] = (position, 0, 0)."},
     {"wide_walk", native_wide_walk, METH_VARARGS,
-     "wide_walk(keys, masks, held, words) -> (ends, depth): the NPU walk over precomputed keys, masks of any "
+     "wide_walk(keys, masks, held, words[, prior_keys, prior_ends]) -> (ends, depth): the NPU walk over precomputed "
+     "keys (from where they part from an earlier walk's keys, given its ends), masks of any "
      "width up to 1024 workers."},
     {"emit_hits", native_emit_hits, METH_VARARGS,
      "emit_hits(out, mask_bytes, hit, rank_of, pages): out[pages[i]][rank_of[8*i+b]] = hit per set bit."},
