@@ -25,7 +25,7 @@ from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
 
-__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replay", "replayer", "static_inputs"]
+__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replayer", "static_inputs"]
 
 
 def _load() -> Any:
@@ -55,7 +55,7 @@ class RankStatic(NamedTuple):
 
 # The helper's answer, a plain tuple (no object more per answer): its JSON, the largest hit's
 # blocks (for the query's hit-blocks metric), until when it holds while the book does not change
-# (monotonic: the first fresh instance going stale), and its replay: what :func:`replay` needs
+# (monotonic: the first fresh instance going stale), and its replay: what :func:`replayer` binds
 # to make the answer's commit and metrics again when the same answer is given again.
 Rendered = tuple[bytes, int, float, bytes]
 
@@ -153,14 +153,10 @@ def render(
     return got
 
 
-def replay(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered, prompt: int) -> None:
-    """The side effects of ``rendered`` (an answer of ``table``) made again for ``prompt``."""
-    NATIVE.rank_replay(rendered[3], static.streams, book.live(), table.cells, table.resolve, book.changes_cell, prompt)
-
-
 def replayer(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered) -> Callable[[int], None]:
-    """:func:`replay` of ``rendered`` bound once, called with the prompt alone: one C call
-    per repeat (the book's live mapping and changes cell stay the same objects for its life)."""
+    """The side effects of ``rendered`` (an answer of ``table``), bound once: called with a
+    prompt, they are made again for it in one C call (the book's live mapping and changes
+    cell stay the same objects for its life)."""
     bound: Callable[[int], None] = functools.partial(
         NATIVE.rank_replay, rendered[3], static.streams, book.live(), table.cells, table.resolve, book.changes_cell
     )
