@@ -281,3 +281,57 @@ def test_unregister_and_an_unknown_instance(conductor: Conductor) -> None:
     assert http(conductor.url + "/unregister", body)[0] == 200
     status, _, answer = http(conductor.url + "/unregister", body)
     assert status == 404 and answer["error"] == "InstanceNotFound"
+
+
+class Breaker:
+    """Motor 3.1's /query circuit breaker, as facts: a failure is any exception (refused,
+    timeout - 3 s -, a non-2xx status such as 404 NoIndexer); 3 in a row open it for 30 s, during
+    which every query is answered {} (load_balance) without a request; then one probe."""
+
+    THRESHOLD, COOLDOWN_S = 3, 30.0
+
+    def __init__(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def record(self, ok: bool, now: float) -> None:
+        if ok:
+            self.failures = 0
+            return
+        self.failures += 1
+        if self.failures >= self.THRESHOLD:
+            self.open_until = now + self.COOLDOWN_S
+
+    def is_open(self, now: float) -> bool:
+        return self.failures >= self.THRESHOLD and now < self.open_until
+
+
+def test_an_adapter_restart_keeps_registrations_and_what_the_breaker_sees(conductor: Conductor) -> None:
+    query = {"model": MODEL, "block_size": BS, "token_ids": list(range(100, 100 + 6 * BS))}
+    breaker = Breaker()
+    conductor.stop()
+    for _ in range(2):  # queries while the adapter is down: refused, each a failure
+        status = http(conductor.url + "/query", query, msgpack=True, accept=MSGPACK)[0]
+        assert status == 0
+        breaker.record(False, time.monotonic())
+    assert not breaker.is_open(time.monotonic())  # two failures: still closed; a third would open it for 30 s
+    restarted = Conductor(conductor.workdir, conductor.port, conductor.env)
+    conductor.proc = restarted.proc  # the module fixture stops whichever runs
+    # registrations come back from the registry file with no /register: Motor 3.1's
+    # re_register_kv_instances finds nothing missing in /workers
+    seen = wait_for(
+        lambda: (
+            {
+                (w["instance_id"], int(dp))
+                for w in http(conductor.url + "/workers")[2]["workers"]
+                for dp in w["endpoints"]
+            }
+            >= {("vllm-prefill-0", 0), ("mooncake-pool", 0)}
+        ),
+        "registrations restored",
+    )
+    assert seen
+    status, kind, rsp = http(conductor.url + "/query", query, msgpack=True, accept=MSGPACK)
+    breaker.record(status == 200, time.monotonic())
+    assert status == 200 and kind.startswith(MSGPACK) and "vllm-prefill-0" in rsp["default"]
+    assert breaker.failures == 0  # the first answer after the restart closes the count
