@@ -222,6 +222,10 @@ def test_events_fill_the_index_and_a_msgpack_query_is_answered_in_msgpack(conduc
     assert hot["DP"]["0"] == 6 * BS and hot["longest_matched"] == 6 * BS
     assert hot["dp_detail"]["0"]["npu_blocks"] == 6
     assert cold["DP"]["0"] == 0  # a cold instance stays listed: Motor 3.1 scores only what is listed
+    # Motor 3.1's unified cost (kv_cache_affinity.py): an int DP is tokens, min(matched, isl)
+    isl = len(query["token_ids"])
+    cost = {name: isl - min(entry["DP"]["0"], isl) for name, entry in tenant.items()}
+    assert min(cost, key=cost.__getitem__) == "vllm-prefill-1" and cost["vllm-prefill-1"] == 2
     assert "mooncake-pool" not in tenant  # another model's registration
     # an older client (Accept: application/json) gets JSON, which Motor 3.1 reads by Content-Type too
     status, kind, again = http(conductor.url + "/query", query, msgpack=True, accept="application/json")
