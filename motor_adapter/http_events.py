@@ -137,10 +137,7 @@ class EventsIngest:
 
     def __init__(self, state: AdapterState) -> None:
         self.state = state
-        self.counted = state.metrics.registry.counter(
-            "motor_kv_adapter_http_events_total",
-            "KV events received by POST /events, by result (applied, ignored, unregistered)",
-        )
+        self.counted = state.metrics.http_events
 
     def _target(self, regs: Sequence[Registration], dp: int) -> Union[tuple[Registration, int], None]:
         for reg in regs:

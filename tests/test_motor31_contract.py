@@ -227,6 +227,9 @@ def test_events_fill_the_index_and_a_msgpack_query_is_answered_in_msgpack(conduc
     cost = {name: isl - min(entry["DP"]["0"], isl) for name, entry in tenant.items()}
     assert min(cost, key=cost.__getitem__) == "vllm-prefill-1" and cost["vllm-prefill-1"] == 2
     assert "mooncake-pool" not in tenant  # another model's registration
+    # /explain reads the pushed blocks as it reads a stream's
+    report = http(conductor.url + "/explain", {"model": MODEL, "block_size": BS, "token_ids": tokens})[2]
+    assert report["verdict"] == "hit", report
     # an older client (Accept: application/json) gets JSON, which Motor 3.1 reads by Content-Type too
     status, kind, again = http(conductor.url + "/query", query, msgpack=True, accept="application/json")
     assert status == 200 and kind.startswith("application/json") and again == rsp
@@ -271,6 +274,9 @@ def test_events_with_only_hashes_are_ignored_with_the_reason(conductor: Conducto
     tokens = list(range(100, 100 + 6 * BS))
     rsp = http(conductor.url + "/query", {"model": MODEL, "block_size": BS, "token_ids": tokens})[2]
     assert rsp["default"]["vllm-prefill-1"]["DP"]["0"] == 0  # the clear emptied that rank
+    metrics = http(conductor.url + "/metrics")[2]
+    assert 'motor_kv_adapter_http_events_total{result="applied"} 2' in metrics
+    assert 'motor_kv_adapter_http_events_total{result="ignored"} 1' in metrics
     status, _, refused = http(conductor.url + "/events", {"instance_id": "vllm-prefill-9", "events": []})
     assert status == 404 and refused["error"] == "InstanceNotFound" and "register it first" in refused["detail"]
     status, _, bad = http(conductor.url + "/events", {"instance_id": "vllm-prefill-1", "events": [{"dp_rank": -1}]})
