@@ -237,6 +237,42 @@ def test_events_fill_the_index_and_a_msgpack_query_is_answered_in_msgpack(conduc
     assert http(conductor.url + "/query", query, msgpack=True)[1].startswith("application/json")
 
 
+def test_an_hbm_registration_follows_the_plugins_instance_stream(conductor: Conductor) -> None:
+    """What Motor 3.1's own conductor cannot read: the plugin's tagged-map instance stream, each
+    batch tagged with its rank.  Here a real fan-in and real rank publishers (only the scheduler is
+    simulated), registered with the body Motor 3.1 sends for the instance's one endpoint."""
+    from sglang_kvpub.config import PluginConfig
+    from sglang_kvpub.tools.simulator import SimulatedInstance
+
+    events, replay = free_tcp_port(), free_tcp_port()
+    config = PluginConfig(
+        endpoint=f"tcp://127.0.0.1:{events}",
+        replay_endpoint=f"tcp://127.0.0.1:{replay}",
+        heartbeat_s=0.5,
+        topic="kv-events",
+        bind=True,
+    )
+    instance = SimulatedInstance(config, 2, 4096, BS)
+    try:
+        body = {**hbm_dp(7, 0, f"tcp://127.0.0.1:{events}"), "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+        assert http(conductor.url + "/register", body)[0] == 200
+        tokens = list(range(5000, 5000 + 8 * BS))
+        instance.dispatch(tokens, routed_dp_rank=1)
+        query = {"model": MODEL, "block_size": BS, "token_ids": tokens}
+
+        def held() -> Any:
+            status, _, rsp = http(conductor.url + "/query", query, msgpack=True, accept=MSGPACK)
+            entry = rsp["default"].get("vllm-prefill-7") if status == 200 else None
+            return entry if entry and entry["DP"]["0"] == 8 * BS else None
+
+        entry = wait_for(held, "the instance stream's blocks")
+        assert entry["dp_detail"]["0"]["engine_dp_rank"] == 1  # the batch's rank kept, not the registered dp
+        assert entry["dp_detail"]["0"]["npu_blocks"] == 8
+    finally:
+        instance.close()
+        http(conductor.url + "/unregister", {"instance_id": "vllm-prefill-7", "dp_rank": 0, "modelname": MODEL})
+
+
 def test_query_by_hash_in_each_versions_units(conductor: Conductor) -> None:
     tokens = list(range(100, 100 + 6 * BS))  # stored by the test above
     hashes = local_block_hashes(tokens, BS)
