@@ -87,6 +87,10 @@ class AdapterMetrics:
             "motor_kv_adapter_scored_hit_tokens_total",
             "Prompt tokens /query scored as a hit on the rank that would serve the request, per instance and rank",
         )
+        self.http_events = reg.counter(
+            "motor_kv_adapter_http_events_total",
+            "KV events received by POST /events, by result (applied, ignored, unregistered)",
+        )
         self._scored_cells: dict[tuple[str, int], list[float]] = {}
         self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
         # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).

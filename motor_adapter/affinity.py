@@ -177,6 +177,16 @@ class KvAffinity:
             _stop_all(stale.subscribers)
         _log.info("following instance %s on %s (compat_dp_size=%s)", instance_id, endpoint, compat_dp_size)
 
+    def add_pushed(self, instance_id: str) -> None:
+        """Answers for ``instance_id`` with no subscriber: its blocks are written to :attr:`index`
+        by the caller (``POST /events``).  :meth:`remove_instance` forgets them."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("KvAffinity is closed")
+            if instance_id not in self._instances:
+                self._instances[instance_id] = _Instance(instance_id, None, None, b"", ())
+                self._known = tuple(self._instances)
+
     def _start_subscribers(self, instance_id: str, spec: _Instance) -> tuple[_Subscriber, ...]:
         factory = self._factory or _default_factory()
         if spec.compat_dp_size is None:

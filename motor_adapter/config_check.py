@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 from urllib.parse import urlsplit
 
+from motor_adapter.rust_conductor import RUST_CONDUCTOR_FIX, RUST_CONDUCTOR_MESSAGE
 from motor_adapter.scoring import ConfigError, KvAffinityConfig
 from sglang_kvpub.core.load_balance import plan_dispatch
 
@@ -169,6 +170,7 @@ def check_config(
     if sglang_args is not None:
         findings += _check_launch_page(engine_key, args, sglang_args)
     findings.append(_start_order(conductor_key))
+    findings.append(Finding(conductor_key, RUST_CONDUCTOR_MESSAGE, RUST_CONDUCTOR_FIX, severity="note"))
     return findings
 
 

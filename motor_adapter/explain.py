@@ -159,7 +159,7 @@ def explain(
 
 
 def _names_of(regs: list[Registration], stream: str | None) -> str:
-    names = sorted({f"{r.instance_id} (dp {r.dp_rank})" for r in regs if r.stream == stream})
+    names = sorted({f"{r.instance_id} (dp {r.dp_rank})" for r in regs if r.index_name == stream})
     return ", ".join(names) or str(stream)
 
 
@@ -180,7 +180,8 @@ def _explain_registration(
         "ranks": [],
         "reason": None,
     }
-    if reg.stream is None:
+    name = reg.index_name  # the stream, or for an HTTP-only registration the blocks POST /events brought
+    if name is None:
         entry["reason"] = f"no subscription: the registration has no engine stream (mode {reg.mode})"
         return entry
     if reg.block_size != block_size:
@@ -189,12 +190,12 @@ def _explain_registration(
             "so nothing can match (set kv_conductor_config.block_size to the engine page size)"
         )
         return entry
-    healths = health.get((reg.model, reg.tenant, reg.block_size, reg.stream), [])
+    healths = health.get((reg.model, reg.tenant, reg.block_size, name), [])
     entry["health"] = [as_dict(h) for h in healths]
-    problem = _health_problem(healths)
+    problem = _health_problem(healths) if reg.stream is not None else None  # pushed blocks: no stream to be down
     aff = state.affinity(reg.model, reg.tenant, reg.block_size)
-    known_ranks = set(aff.index.ranks(reg.stream)) if aff is not None and hasattr(aff, "index") else set()
-    rank_hits = hits.get(reg.stream, {})
+    known_ranks = set(aff.index.ranks(name)) if aff is not None and hasattr(aff, "index") else set()
+    rank_hits = hits.get(name, {})
     for rank in sorted(known_ranks | set(rank_hits)):
         hit = rank_hits.get(rank)
         npu, cpu, disk = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks) if hit is not None else (0, 0, 0)

@@ -67,6 +67,7 @@ class QueryBody(msgspec.Struct, kw_only=True):
     prompt: Any = None
     messages: Any = None
     tools: Any = None
+    units: Union[str, None] = None  # /query_by_hash: "tokens" or "blocks" (Motor 3.1's conductor)
 
     def common(self) -> tuple[str, str, int]:
         if not self.model:

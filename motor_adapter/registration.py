@@ -23,12 +23,15 @@ from typing import Any, Literal, Union
 from motor_adapter.affinity import compat_endpoints
 
 __all__ = [
+    "HTTP_EVENTS_SCHEME",
     "MEDIUM_ALIASES",
+    "POOL_EXPLAINED",
     "RegistrationError",
     "Registration",
     "Unregistration",
     "parse_registration",
     "parse_unregistration",
+    "http_events_stream",
 ]
 
 MEDIUM_ALIASES: dict[str, str] = {
@@ -41,6 +44,20 @@ _MAX_DP = 4096
 MAX_COMPAT_DP = 256  # compat mode opens one subscriber (a SUB socket) per rank: keep one registration bounded
 
 StreamMode = Literal["engine", "compat", "pool", "http_only"]
+HTTP_EVENTS_SCHEME = "http-events://"
+# Motor 3.1's pool-mode registration (Mooncake/Memcache, once per cluster, kv_conductor_config.pool_endpoint):
+# accepted and listed, never followed - and why, for the operator who reads /register's warnings.
+POOL_EXPLAINED = (
+    "pool registration (endpoint without medium_endpoints, a Mooncake/Memcache master's placement stream): "
+    "accepted and listed in /workers, not followed - its events name blocks by the pool's own hashes and a node "
+    "IP, not by an engine rank; SGLang's host/disk tiers (HiCache) reach this adapter on the plugin's instance "
+    "stream with each event's medium, so the engines' registrations carry every tier this adapter scores"
+)
+
+
+def http_events_stream(instance_id: str, dp_rank: int) -> str:
+    """The index's name for a registration without any endpoint: its blocks come by ``POST /events``."""
+    return f"{HTTP_EVENTS_SCHEME}{instance_id}/{dp_rank}"
 
 
 class RegistrationError(ValueError):
@@ -77,6 +94,14 @@ class Registration:
     @property
     def key(self) -> tuple[str, str, str, int]:
         return (self.tenant, self.model, self.instance_id, self.dp_rank)
+
+    @property
+    def index_name(self) -> Union[str, None]:
+        """Whose blocks answer for this dp in its index: the stream's, or for a registration
+        without any endpoint (Motor 3.1's HTTP-only worker) the blocks ``POST /events`` brings."""
+        if self.stream is not None:
+            return self.stream
+        return http_events_stream(self.instance_id, self.dp_rank) if self.mode == "http_only" else None
 
     def same_as(self, other: Registration) -> bool:
         """Equal for idempotence: Motor re-registers the same thing every 30 s."""
@@ -237,7 +262,7 @@ def _interpret(
         return None, "pool", warnings
     if legacy:
         if "pool" in instance_id.lower():
-            warnings.append("legacy pool registration (endpoint without medium_endpoints): not followed")
+            warnings.append(POOL_EXPLAINED)
             return None, "pool", warnings
         return str(legacy), "engine", warnings
     return None, "http_only", warnings

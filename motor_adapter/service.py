@@ -31,6 +31,7 @@ from xxhash import xxh3_128_intdigest as _xxh3_128
 from motor_adapter import metrics
 from motor_adapter.adapter_metrics import LABELS_MAX, query_memo_text
 from motor_adapter.affinity import decision_logger
+from motor_adapter.conductor_v31 import blocks_answer, by_hash_units, indexer_summary
 from motor_adapter.http_contract import (
     I64_MIN,
     MSGPACK_TYPES,
@@ -45,6 +46,7 @@ from motor_adapter.http_contract import (
     token_ids_of,
     u32_tokens,
 )
+from motor_adapter.http_events import EventsIngest
 from motor_adapter.registration import (
     DEFAULT_TENANT,
     RegistrationError,
@@ -100,6 +102,8 @@ def _json_response(data: Any) -> web.Response:
 
 
 def _wants_msgpack(request: web.Request) -> bool:
+    """msgpack when the client's Accept names it (Motor 3.1's client does, and reads the answer
+    by its Content-Type); else JSON, which every Motor reads."""
     accept = request.headers.get(hdrs.ACCEPT)  # aiohttp's case-folded name: no fold per lookup
     return bool(accept and "msgpack" in accept and any(kind in accept for kind in MSGPACK_TYPES))
 
@@ -229,6 +233,7 @@ class _Handlers:
         self._prompts = _PromptCache()
         self._query_fields: dict[bytes, tuple[str, str, int]] = {}  # msgpack rest -> (model, tenant, block size)
         self._register_lock = registry.lock  # restores and other replicas' changes take it too
+        self._events = EventsIngest(state)
 
     async def body(self, request: web.Request) -> dict[str, Any]:
         data = await self._decode(request, self._msgpack, self._json)
@@ -370,6 +375,8 @@ class _Handlers:
         if any(not I64_MIN <= h <= U64_MASK for h in body.block_hashes):
             raise RequestError(400, "bad_field", "block_hashes must hold 64-bit integers (u64, or i64)")
         hashes = [h & U64_MASK for h in body.block_hashes]
+        if by_hash_units(body.units, self.config.query_by_hash_units) == "blocks":  # Motor 3.1's units
+            return _answer(request, blocks_answer(self.state, model, tenant, block_size, hashes))
         return _answer(request, self.state.query_by_hash(model, tenant, block_size, hashes))
 
     async def select(self, request: web.Request) -> web.Response:
@@ -414,7 +421,11 @@ class _Handlers:
         return web.json_response(report)
 
     async def workers(self, request: web.Request) -> web.Response:
-        return web.json_response(self.state.workers())
+        return web.json_response({**self.state.workers(), "indexer": indexer_summary(self.state)})
+
+    async def events(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        return _answer(request, await asyncio.to_thread(self._events.apply, body))
 
     async def registry_status(self, request: web.Request) -> web.Response:
         return web.json_response(self.registry.status())
@@ -499,6 +510,7 @@ def build_app(state: AdapterState, registry: DurableRegistrations | None = None)
     app.router.add_post("/unregister", handlers.unregister)
     app.router.add_post("/query", handlers.query)
     app.router.add_post("/query_by_hash", handlers.query_by_hash)
+    app.router.add_post("/events", handlers.events)
     app.router.add_post("/select", handlers.select)
     app.router.add_post("/explain", handlers.explain)
     app.router.add_get("/workers", handlers.workers)

@@ -47,11 +47,17 @@ class ServiceConfig:
     registry_dead_after_s: float = 60.0  # a restored registration silent this long is dropped (0: never)
     # /query's DP layout (scoring.QUERY_SHAPES): "tokens" is what every released Motor scores.
     query_shape: str = "tokens"
+    # /query_by_hash's units when the body names none: "tokens" (as /query) or "blocks" (Motor 3.1's conductor)
+    query_by_hash_units: str = "tokens"
 
     def __post_init__(self) -> None:
         if self.query_shape not in QUERY_SHAPES:
             raise ConfigError(
                 [f"query_shape is {self.query_shape!r}: use one of {', '.join(QUERY_SHAPES)} (docs/motor.md)"], INVALID
+            )
+        if self.query_by_hash_units not in ("tokens", "blocks"):
+            raise ConfigError(
+                [f"query_by_hash_units is {self.query_by_hash_units!r}: use tokens or blocks (docs/motor.md)"], INVALID
             )
         if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
             raise ConfigError([f"max_streams must be an integer >= 1, got {self.max_streams!r}"], INVALID)

@@ -181,7 +181,9 @@ def _plans(regs: Sequence[Registration], block_size: int) -> tuple[_Plan, ...]:
     plans = []
     for instance, members in groups.items():
         dps = sorted(r.dp_rank for r in members)
-        usable = tuple((r.dp_rank, r.stream) for r in members if r.block_size == block_size and r.stream is not None)
+        usable = tuple(
+            (r.dp_rank, r.index_name) for r in members if r.block_size == block_size and r.index_name is not None
+        )
         plans.append(_Plan(instance, dps, tuple(str(dp) for dp in dps), usable, len(members) == 1))
     return tuple(plans)
 
@@ -191,8 +193,9 @@ def _index_key(reg: Registration) -> tuple[str, str, int]:
 
 
 def _cost(reg: Registration) -> int:
-    """Subscriptions a registration's stream runs: one, or one per rank in compat mode."""
-    return reg.compat_dp_size or 1
+    """Subscriptions a registration's stream runs: one, one per rank in compat mode, none for
+    a registration whose blocks come by ``POST /events``."""
+    return 0 if reg.stream is None else reg.compat_dp_size or 1
 
 
 def _run(stops: Sequence[tuple[KvAffinity, str]], starts: Sequence[tuple[KvAffinity, Registration]]) -> None:
@@ -200,13 +203,16 @@ def _run(stops: Sequence[tuple[KvAffinity, str]], starts: Sequence[tuple[KvAffin
     for affinity, url in stops:
         affinity.remove_instance(url)
     for affinity, reg in starts:
-        assert reg.stream is not None
+        if reg.stream is None:  # HTTP-only: its index name is followed with no subscriber
+            assert reg.index_name is not None
+            affinity.add_pushed(reg.index_name)
+            continue
         affinity.add_instance(reg.stream, reg.stream, reg.replay_endpoint, compat_dp_size=reg.compat_dp_size)
 
 
 def _source(reg: Registration) -> tuple[Any, ...]:
     """What a subscription depends on: equal sources share one subscriber and its index."""
-    return (reg.model, reg.tenant, reg.block_size, reg.stream, reg.replay_endpoint, reg.compat_dp_size)
+    return (reg.model, reg.tenant, reg.block_size, reg.index_name, reg.replay_endpoint, reg.compat_dp_size)
 
 
 class AdapterState:
@@ -299,10 +305,11 @@ class AdapterState:
         if entry is None:
             cfg = self.scoring_config(reg.block_size)
             entry = self._indexes[key] = _Index(self._factory(cfg, self.config.capacity_blocks), {})
-        if reg.stream is None:
+        name = reg.index_name
+        if name is None:
             return []
-        entry.users.setdefault(reg.stream, set()).add(reg.key)
-        entry.costs[reg.stream] = _cost(reg)
+        entry.users.setdefault(name, set()).add(reg.key)
+        entry.costs[name] = _cost(reg)
         # Idempotent for the same source; a different mode or replay URL replaces the subscription.
         return [(entry.affinity, reg)]
 
@@ -310,17 +317,18 @@ class AdapterState:
         """Forgets ``reg`` as a user of its stream (under ``_lock``); returns the subscription to
         stop when it was the last registration naming that URL."""
         entry = self._indexes.get(_index_key(reg))
-        if entry is None or reg.stream is None:
+        name = reg.index_name
+        if entry is None or name is None:
             return []
-        users = entry.users.get(reg.stream)
+        users = entry.users.get(name)
         if users is None:
             return []
         users.discard(reg.key)
         if users:
             return []
-        del entry.users[reg.stream]
-        entry.costs.pop(reg.stream, None)
-        return [(entry.affinity, reg.stream)]
+        del entry.users[name]
+        entry.costs.pop(name, None)
+        return [(entry.affinity, name)]
 
     def _roll_back(self, old: Registration | None, reg: Registration) -> None:
         """Undoes a registration whose subscription failed: ``old`` again (re-followed), or nothing."""
@@ -334,7 +342,8 @@ class AdapterState:
             stops = self._unbook(reg)
             starts = self._book(old) if old is not None else []
             entry = self._indexes.get(_index_key(reg))
-            users = entry.users.get(reg.stream, set()) if entry is not None and reg.stream is not None else set()
+            name = reg.index_name
+            users = entry.users.get(name, set()) if entry is not None and name is not None else set()
             if users and not stops:  # a failed replace may have stopped the URL other registrations share
                 survivor = self._registrations.get(next(iter(users)))
                 if survivor is not None:

@@ -140,7 +140,7 @@ def test_bad_compat_registrations_are_400_and_leave_nothing(
         status, rsp = http(server.url + "/register", body)
         assert status == 400 and rsp["error"] == "bad_registration", rsp
     assert server.state.registrations() == []
-    assert http(server.url + "/workers") == (200, {"workers": []})
+    assert http(server.url + "/workers") == (200, {"workers": [], "indexer": []})
     assert 'motor_kv_adapter_bad_requests_total{path="/register",reason="bad_registration"} 2' in metrics_text(server)
 
 

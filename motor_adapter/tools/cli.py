@@ -11,29 +11,45 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "serve_config"]
 
 
 def _serve(args: argparse.Namespace) -> int:
+    return serve_config(
+        args.config, host=args.host, port=args.port, tokenizer=args.tokenizer, registry=args.registry, origin=None
+    )
+
+
+def serve_config(
+    path: str | None,
+    *,
+    host: str | None,
+    port: int | None,
+    tokenizer: str | None,
+    registry: str | None,
+    origin: str | None,
+) -> int:
+    """Serves with the config at ``path`` (None: defaults) and the given overrides; 2 for a bad
+    config (named with ``origin``, or as ``--config``) or registry, before the port opens."""
     from motor_adapter.registry.store import RegistryError, default_registry_spec
     from motor_adapter.scoring import ConfigError
     from motor_adapter.service import ServiceConfig, run_server
 
+    name = origin or "motor-kv-adapter: bad --config"
     try:
-        config = ServiceConfig.from_file(args.config) if args.config else ServiceConfig.from_mapping({})
+        config = ServiceConfig.from_file(path) if path else ServiceConfig.from_mapping({})
     except (OSError, ValueError, ConfigError) as exc:
-        print(f"motor-kv-adapter: bad --config: {exc}", file=sys.stderr)
+        print(f"{name}: {exc}", file=sys.stderr, flush=True)
         return 2
     overrides: dict[str, Any] = {}
-    if args.host is not None:
-        overrides["host"] = args.host
-    if args.port is not None:
-        overrides["port"] = args.port
-    if args.tokenizer is not None:
-        overrides["tokenizer_path"] = args.tokenizer
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    if tokenizer is not None:
+        overrides["tokenizer_path"] = tokenizer
     # --registry, else the config's "registry", else MOTOR_KV_ADAPTER_REGISTRY, else a file per port
-    registry = args.registry or config.registry or default_registry_spec(args.port or config.port)
-    overrides["registry"] = registry
+    overrides["registry"] = registry = registry or config.registry or default_registry_spec(port or config.port)
     import dataclasses
 
     config = dataclasses.replace(config, **overrides)
