@@ -1,0 +1,568 @@
+"""The docs stay true: every metric name, CLI flag, environment variable and configuration key
+that README.md, CHANGELOG.md and docs/ name is one the code defines, and every shipped example
+(docs/examples/) passes the command the docs give beside it.
+
+What the code defines is read from the code, never listed here: the flags from the real
+argparse parsers (every console script of pyproject.toml, ``python bench/X.py`` and
+``python scripts/X.py``, SGLang's own ``launch_server`` parser when SGLang is installed, with
+the plugin's ``--plugin``), the metric names from the ``/metrics`` of a running adapter, the
+environment variables from the string literals of the code, the configuration keys from the
+settings dataclasses.  A failing test lists every finding, one a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_DIRS = ("sglang_kvpub", "motor_adapter", "bench", "scripts", "tests", "docker", ".ci")
+# Prefixes of the environment variables this project reads: a name with one must be defined here.
+OWN_ENV = re.compile(r"\b((?:SGLANG_KVPUB|MOTOR_KV_ADAPTER|KVPUB)_[A-Z0-9_]*[A-Z0-9])\b(?!\*)")
+# Operating system and tool variables a command line may set (not this project's, not SGLang's).
+OS_ENV = {"PATH", "HOME", "PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "TMPDIR"}
+OS_ENV_PREFIXES = (
+    "XDG_",
+    "OMP_",
+    "HF_",
+    "TRANSFORMERS_",
+    "CUDA_",
+    "ASCEND_",
+    "NCCL_",
+    "HCCL_",
+    "PIP_",
+    "MC_",
+    "MALLOC_",
+    "GLIBC_",
+)
+METRIC = re.compile(r"\bmotor_kv_adapter_[a-z0-9_]*[a-z0-9]\b")
+# Placeholder file names the docs use for the operator's own copy of a shipped example.
+PLACEHOLDERS = {
+    "user_config.json": "docs/examples/motor_user_config.json",
+    "env.json": "docs/examples/motor_env_config.json",
+    "adapter_config.json": "docs/examples/adapter_config.json",
+}
+
+
+def doc_files() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [f for f in files if f.is_file()]
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# ------------------------------------------------------------------------------------ the docs
+
+
+@dataclasses.dataclass(frozen=True)
+class Mention:
+    where: str  # file:line
+    text: str
+
+
+def code_spans(text: str) -> Iterator[tuple[int, str, bool]]:
+    """(line number, code, is a fenced block's line) for inline code and fenced blocks, a fenced
+    line joined with its backslash continuations."""
+    in_fence = False
+    pending: list[str] = []
+    start = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            if not pending:
+                start = number
+            if line.rstrip().endswith("\\"):
+                pending.append(line.rstrip()[:-1])
+                continue
+            pending.append(line)
+            yield start, " ".join(p.strip() for p in pending), True
+            pending = []
+        else:
+            for match in re.finditer(r"``?([^`]+)``?", line):
+                yield number, match.group(1), False
+
+
+def _commands(code: str) -> Iterator[list[str]]:
+    """Each simple command of a shell line, as words (comments, pipes and redirections cut)."""
+    try:
+        lexer = shlex.shlex(code, posix=True, punctuation_chars="|&;<>")
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        words = list(lexer)
+    except ValueError:  # an unbalanced quote in prose: not a command
+        return
+    current: list[str] = []
+    for word in words:
+        if word and set(word) <= set("|&;<>"):
+            if current:
+                yield current
+            current = []
+        else:
+            current.append(word)
+    if current:
+        yield current
+
+
+# ------------------------------------------------------------------------------- the code side
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+@contextlib.contextmanager
+def _capture_parser() -> Iterator[None]:
+    """Any ``parse_args`` raises with its parser: a CLI's real parser without running it."""
+
+    def capture(self: argparse.ArgumentParser, *args: Any, **kw: Any) -> Any:
+        raise _Captured(self)
+
+    saved = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    argparse.ArgumentParser.parse_args = capture  # type: ignore[method-assign,assignment]
+    argparse.ArgumentParser.parse_known_args = capture  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args = saved  # type: ignore[method-assign]
+
+
+def _parser_of(run: Any, argv0: str) -> argparse.ArgumentParser | None:
+    old_argv = sys.argv
+    sys.argv = [argv0]
+    try:
+        with _capture_parser(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            run()
+    except _Captured as captured:
+        return captured.parser
+    except BaseException:  # a script that does more than parse first: not checked
+        return None
+    finally:
+        sys.argv = old_argv
+    return None
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, set[str]]:
+    """The parser's flags (key ""), and each subcommand's (key: its name) with the root's."""
+    root = {opt for action in parser._actions for opt in action.option_strings}
+    found: dict[str, set[str]] = {"": set(root)}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for key, flags in _flags(sub).items():
+                    found[name if not key else f"{name} {key}"] = flags | root
+    return found
+
+
+def console_scripts() -> dict[str, str]:
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    section = re.search(r"^\[project\.scripts\]\n(.*?)(?=^\[|\Z)", text, re.S | re.M)
+    assert section is not None, "pyproject.toml has no [project.scripts]"
+    return dict(re.findall(r'^([\w.-]+)\s*=\s*"([^"]+)"', section.group(1), re.M))
+
+
+@cache
+def program_flags() -> dict[str, dict[str, set[str]] | None]:
+    """Program (as the docs invoke it) -> its flags by subcommand; None: not checkable here."""
+    found: dict[str, dict[str, set[str]] | None] = {}
+    for script, target in console_scripts().items():
+        module_name, _, attr = target.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module_name), attr)
+        except Exception:  # an extra not installed: its flags are not checked
+            found[script] = None
+            continue
+        parser = _parser_of(entry, script)
+        found[script] = None if parser is None else _flags(parser)
+        found[f"python -m {module_name}"] = found[script]
+    for folder in ("bench", "scripts"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            found[f"python {folder}/{path.name}"] = _script_flags(path)
+    found["python -m sglang.launch_server"] = sglang_flags()
+    return found
+
+
+def _script_flags(path: Path) -> dict[str, set[str]] | None:
+    """A script's flags, read from its ``add_argument`` calls (running a bench script to get its
+    parser could start servers): None when it defines none (not argparse: unchecked)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    flags = {"-h", "--help"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            flags |= {a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)}
+    return {"": flags} if len(flags) > 2 else None
+
+
+@cache
+def sglang_flags() -> dict[str, set[str]] | None:
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except Exception:  # SGLang not installed (CI's README stage): its flags unchecked
+        return None
+    from sglang_kvpub.engine.plugin import add_plugin_argument
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    add_plugin_argument(parser)
+    return _flags(parser)
+
+
+def _literals(path: Path) -> set[str]:
+    if path.suffix == ".py":
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError):
+            return set()
+        return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    try:
+        return set(re.findall(r"\b[A-Z][A-Z0-9_]+\b", path.read_text(encoding="utf-8")))
+    except (UnicodeDecodeError, OSError):
+        return set()
+
+
+@cache
+def code_env_names() -> frozenset[str]:
+    """Every environment variable name the code can read: its string literals (``"KVPUB_NATIVE"``,
+    ``TOKEN_ENV = "..."``), the plugin keys' ``SGLANG_KVPUB_<KEY>``, and names the shell files set."""
+    from sglang_kvpub.config import PLUGIN_KEYS, env_name
+
+    names: set[str] = {env_name(key) for key in PLUGIN_KEYS}
+    for folder in CODE_DIRS:
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and (path.suffix in {".py", ".sh", ""} or path.name == "Dockerfile"):
+                names |= {s for s in _literals(path) if re.fullmatch(r"[A-Z][A-Z0-9_]+", s)}
+    return frozenset(names)
+
+
+@cache
+def external_env_names() -> frozenset[str] | None:
+    """Upper-case string literals of the installed SGLang and Motor (None: neither installed)."""
+    names: set[str] = set()
+    roots = []
+    for module in ("sglang", "motor"):
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            roots += [Path(p) for p in spec.submodule_search_locations]
+    if not roots:
+        return None
+    for root in roots:
+        for path in root.rglob("*.py"):
+            try:
+                names |= set(re.findall(r"[\"']([A-Z][A-Z0-9_]{2,})[\"']", path.read_text(encoding="utf-8")))
+            except (UnicodeDecodeError, OSError):
+                continue
+    return frozenset(names)
+
+
+def plugin_keys() -> set[str]:
+    from sglang_kvpub.config import PluginConfig
+
+    return {f.name for f in dataclasses.fields(PluginConfig)}
+
+
+def adapter_keys() -> set[str]:
+    """What ``motor-kv-adapter serve --config`` accepts (``ServiceConfig.from_mapping``)."""
+    from motor_adapter.settings import ServiceConfig
+
+    try:
+        ServiceConfig.from_mapping({"__probe__": 1}, env={})
+    except Exception as exc:  # its message lists the known keys
+        known = re.search(r"\(known: ([^)]*)\)", str(exc))
+        assert known is not None, str(exc)
+        return {k.strip() for k in known.group(1).split(",")}
+    raise AssertionError("ServiceConfig accepted an unknown key")
+
+
+def affinity_keys() -> set[str]:
+    from motor_adapter.scoring import KvAffinityConfig
+
+    return {f.name for f in dataclasses.fields(KvAffinityConfig)}
+
+
+# ------------------------------------------------------------------------------------ the checks
+
+
+def _program(words: list[str]) -> tuple[str, list[str]] | None:
+    """The program a command runs (as :func:`program_flags` names it) and the rest of its words."""
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        words = words[1:]  # VAR=value prefixes
+    if not words:
+        return None
+    programs = program_flags()
+    if words[0] in programs:
+        return words[0], words[1:]
+    if re.fullmatch(r"python3?", words[0]) and len(words) > 1:
+        if words[1] == "-m" and len(words) > 2 and f"python -m {words[2]}" in programs:
+            return f"python -m {words[2]}", words[3:]
+        if f"python {words[1]}" in programs:
+            return f"python {words[1]}", words[2:]
+    return None
+
+
+def _flag_problem(program: str, rest: list[str], where: str) -> list[str]:
+    flags = program_flags()[program]
+    if flags is None:
+        return []
+    sub = ""
+    for word in rest:
+        if word.startswith("-"):
+            break
+        if (f"{sub} {word}".strip()) in flags:
+            sub = f"{sub} {word}".strip()
+        else:
+            break
+    known = flags.get(sub, flags[""])
+    problems = []
+    for word in rest:
+        flag = word.split("=", 1)[0]
+        if re.fullmatch(r"--[a-z0-9][a-z0-9-]*", flag) and flag not in known:
+            problems.append(f"{where}: `{program}{' ' + sub if sub else ''}` has no flag {flag}")
+    return problems
+
+
+def flag_findings() -> list[str]:
+    problems: list[str] = []
+    all_known: set[str] = set()
+    checkable = all(flags is not None for flags in program_flags().values())
+    for flags in program_flags().values():
+        for names in (flags or {}).values():
+            all_known |= names
+    for path in doc_files():
+        for number, code, _fenced in code_spans(path.read_text(encoding="utf-8")):
+            where = f"{_rel(path)}:{number}"
+            for words in _commands(code):
+                found = _program(words)
+                if found is not None:
+                    problems += _flag_problem(*found, where)
+            # a flag named alone in prose: some parser of ours (or SGLang's) must define it
+            alone = re.fullmatch(r"(--[a-z0-9][a-z0-9-]*)(?:[ =].*)?", code.strip())
+            if alone and checkable and alone.group(1) not in all_known:
+                problems.append(f"{where}: flag {alone.group(1)} is defined by no parser of the project or SGLang")
+    return sorted(set(problems))
+
+
+def env_findings() -> list[str]:
+    problems: list[str] = []
+    own = code_env_names()
+    external = external_env_names()
+    for path in doc_files():
+        text = path.read_text(encoding="utf-8")
+        for number, line in enumerate(text.splitlines(), 1):
+            where = f"{_rel(path)}:{number}"
+            for name in OWN_ENV.findall(line):
+                if name not in own:
+                    problems.append(f"{where}: environment variable {name} is read nowhere in the code")
+        for number, code, _fenced in code_spans(text):
+            where = f"{_rel(path)}:{number}"
+            for name in re.findall(r"(?:^|\s|export\s+)([A-Z][A-Z0-9_]+)=", code):
+                if name in own or name in OS_ENV or name.startswith(OS_ENV_PREFIXES) or OWN_ENV.fullmatch(name):
+                    continue
+                if external is not None and name not in external:
+                    problems.append(f"{where}: environment variable {name} is read here nor by SGLang or Motor")
+    return sorted(set(problems))
+
+
+def metric_findings(exposition: str) -> list[str]:
+    from conftest import metric_names
+
+    exported = metric_names(exposition)
+    suffixes = {name[len("motor_kv_adapter_") :] for name in exported}
+    config_names = plugin_keys() | adapter_keys() | affinity_keys()  # a key's name is not a metric's
+    problems: list[str] = []
+    for path in doc_files():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{_rel(path)}:{number}"
+            for name in METRIC.findall(line):
+                if name not in exported:
+                    problems.append(f"{where}: metric {name} is not in the adapter's /metrics")
+            for short in re.findall(r"`\.\.\._([a-z0-9_]+)", line):
+                problems.append(f"{where}: `..._{short}` shortens a metric name: write it whole")
+            # a metric named by a shortened name: the operator cannot find it in Prometheus
+            for short, labels, value in re.findall(r"`([a-z][a-z0-9]*_[a-z0-9_]*)(\{[^`]*\})?(\s[0-9.]+)?`", line):
+                if short in exported or f"motor_kv_adapter_{short}" in exported or short in config_names:
+                    continue
+                full = sorted(s for s in suffixes if s.endswith(("_" + short, "_" + short + "_total")) or s == short)
+                if full and (labels or value or re.search(r"/metrics|metric|[Ww]atch", line)):
+                    problems.append(f"{where}: `{short}` shortens the metric motor_kv_adapter_{full[0]}")
+    return sorted(set(problems))
+
+
+def _table_keys(text: str, heading: str) -> list[str]:
+    """The first column's backticked names of the first table under ``heading``."""
+    section = re.search(rf"^#+ {re.escape(heading)}\n(.*?)(?=^#+ |\Z)", text, re.S | re.M)
+    if section is None:
+        return []
+    return re.findall(r"^\| `([a-z_][a-z0-9_.]*)` \|", section.group(1), re.M)
+
+
+def config_findings() -> list[str]:
+    from sglang_kvpub.config import SGLANG_KEYS, env_name
+
+    problems: list[str] = []
+    path = ROOT / "docs" / "config.md"
+    text = path.read_text(encoding="utf-8")
+    plugin = plugin_keys()
+    documented_plugin = set(_table_keys(text, "Plugin keys"))
+    documented_sglang = set(_table_keys(text, "SGLang's keys (`--kv-events-config`)"))
+    documented_adapter = set(_table_keys(text, "Adapter settings (`motor-kv-adapter serve --config`)"))
+    for key in sorted(plugin - set(SGLANG_KEYS) - documented_plugin):
+        problems.append(f"docs/config.md: plugin key {key} ({env_name(key)}) is not in its Plugin keys table")
+    for key in sorted(documented_plugin - plugin):
+        problems.append(f"docs/config.md: Plugin keys table names {key}, which PluginConfig does not have")
+    for key in sorted(documented_sglang - set(SGLANG_KEYS)):
+        problems.append(f"docs/config.md: SGLang keys table names {key}, which SGLang's KVEventsConfig has not")
+    from sglang_kvpub.engine.plugin import ENABLED_ENV
+
+    if ENABLED_ENV not in text:
+        problems.append(f"docs/config.md: {ENABLED_ENV} (the plugin's switch outside the launcher) is not documented")
+    adapter = adapter_keys()
+    for key in sorted(adapter - documented_adapter):
+        problems.append(f"docs/config.md: adapter setting {key} is not in its Adapter settings table")
+    for key in sorted(documented_adapter - adapter):
+        problems.append(f"docs/config.md: Adapter settings table names {key}, which the adapter refuses")
+    affinity = affinity_keys()
+    for doc in doc_files():
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for key in re.findall(r"\bkv_affinity\.([a-z_][a-z0-9_]*)", line):
+                if key not in affinity:
+                    problems.append(f"{_rel(doc)}:{number}: kv_affinity.{key} is not a kv_affinity setting")
+    return sorted(set(problems))
+
+
+def _run_documented(words: list[str], env_prefix: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    program, rest = words[0], words[1:]
+    target = console_scripts()[program]
+    module_name = target.partition(":")[0]
+    argv = [sys.executable, "-m", module_name, *[PLACEHOLDERS.get(w, w) for w in rest]]
+    env = {**os.environ, **env_prefix}
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def example_findings() -> tuple[list[str], set[str]]:
+    """Runs every documented ``check-config`` of a shipped example (or of the operator's copy of
+    one: user_config.json, env.json); returns the problems and the examples so checked."""
+    problems: list[str] = []
+    checked: set[str] = set()
+    seen: set[str] = set()
+    for path in doc_files():
+        for number, code, _fenced in code_spans(path.read_text(encoding="utf-8")):
+            for words in _commands(code):
+                env_prefix = {}
+                while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+                    name, _, value = words[0].partition("=")
+                    env_prefix[name] = "127.0.0.1" if value.startswith("<") else value
+                    words = words[1:]
+                if len(words) < 3 or words[0] not in console_scripts() or words[1] != "check-config":
+                    continue
+                if words[0] != "motor-kv-adapter" or "..." in " ".join(words):
+                    continue  # elided command lines show a shape, not a run
+                files = [PLACEHOLDERS.get(w, w) for w in words[2:] if w.endswith(".json")]
+                if not files or not all((ROOT / f).is_file() and f.startswith("docs/examples/") for f in files):
+                    continue
+                key = " ".join(f"{k}={v}" for k, v in env_prefix.items()) + " " + " ".join(words)
+                if key in seen:
+                    continue
+                seen.add(key)
+                result = _run_documented(words, env_prefix)
+                checked.update(files)
+                where = f"{_rel(path)}:{number}"
+                if result.returncode != 0:
+                    last = (result.stdout + result.stderr).strip().splitlines()
+                    problems.append(f"{where}: `{key.strip()}` exits {result.returncode}: {' | '.join(last[-3:])}")
+    return problems, checked
+
+
+def example_files_findings() -> list[str]:
+    """The examples no command runs are read as what consumes them reads them."""
+    from motor_adapter.registration import parse_registration
+    from motor_adapter.settings import ServiceConfig
+
+    problems: list[str] = []
+    for path in sorted((ROOT / "docs" / "examples").glob("*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        try:
+            if path.name.startswith("register_"):
+                parse_registration(data)  # what POST /register does with it
+            elif path.name == "adapter_config.json":
+                ServiceConfig.from_mapping(data, env={})  # what `serve --config` does with it
+        except Exception as exc:  # every refusal is a finding
+            problems.append(f"docs/examples/{path.name}: refused: {exc}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------- the tests
+
+pytestmark = pytest.mark.integration
+
+
+def _none(findings: list[str]) -> None:
+    assert not findings, f"{len(findings)} finding(s):\n" + "\n".join(findings)
+
+
+def test_every_flag_the_docs_name_is_defined() -> None:
+    _none(flag_findings())
+
+
+def test_every_environment_variable_the_docs_name_is_read() -> None:
+    _none(env_findings())
+
+
+def test_every_metric_the_docs_name_is_exported(exported_metrics: str) -> None:
+    from sglang_kvpub.core import hashing
+
+    if hashing.NATIVE is None:
+        pytest.skip("without the C helpers the adapter exports no /query prefix-memo metrics (docs/native.md)")
+    _none(metric_findings(exported_metrics))
+
+
+def test_every_config_key_the_docs_name_is_defined() -> None:
+    _none(config_findings())
+
+
+HISTORY = re.compile(r"\b(?:issues? #?\d+|#\d{2,}\b|sessions? \d+|[Ii]ssue \d+'s)")
+
+
+def history_findings() -> list[str]:
+    """Docs say what is, not how it came to be: no issue or session numbers."""
+    problems = []
+    for path in doc_files():
+        if path.name == "CHANGELOG.md":
+            continue  # the one place for history
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for found in HISTORY.findall(line):
+                problems.append(f"{_rel(path)}:{number}: history in the docs: {found!r}")
+    return problems
+
+
+def test_docs_carry_no_history() -> None:
+    _none(history_findings())
+
+
+def test_every_shipped_example_passes_its_documented_command() -> None:
+    problems, checked = example_findings()
+    _none(problems + example_files_findings())
+    for example in ("docs/examples/motor_user_config.json", "docs/examples/motor_env_config.json"):
+        assert example in checked, f"no documented check-config runs {example}"
