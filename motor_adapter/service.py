@@ -1,6 +1,7 @@
 """A kv-conductor-compatible HTTP service: Motor enables affinity by configuration alone.
 
-Point Motor's ``kv_conductor_config.conductor_service`` / ``http_server_port`` at it.
+Point Motor at it: ``KV_CONDUCTOR_SERVICE`` in the coordinator's environment (the host) and
+``kv_conductor_config.http_server_port`` (the port).
 Endpoints (``motor-conductor.md`` section 4): ``POST /register``, ``/unregister``,
 ``/query`` (JSON or msgpack body), ``/query_by_hash``; ``GET /workers``, ``/health``,
 ``/metrics``, ``/ready`` (readiness, :mod:`motor_adapter.readiness`); ours: ``POST /select``

@@ -227,6 +227,17 @@ def sglang_flags() -> dict[str, set[str]] | None:
     return _flags(parser)
 
 
+def pip_install_flags() -> set[str]:
+    """``pip install``'s long options (the docs name a few, ``--no-deps``): from pip's own parser."""
+    try:
+        from pip._internal.commands import create_command
+
+        parser = create_command("install").parser
+    except Exception:  # pip's internals moved: those flags are then unchecked
+        return set()
+    return {name for group in [parser, *parser.option_groups] for opt in group.option_list for name in opt._long_opts}
+
+
 def _literals(path: Path) -> set[str]:
     if path.suffix == ".py":
         try:
@@ -345,8 +356,8 @@ def _flag_problem(program: str, rest: list[str], where: str) -> list[str]:
 
 def flag_findings() -> list[str]:
     problems: list[str] = []
-    all_known: set[str] = set()
-    checkable = all(flags is not None for flags in program_flags().values())
+    all_known: set[str] = pip_install_flags()
+    checkable = sglang_flags() is not None  # without SGLang's parser a flag alone may be one of its
     for flags in program_flags().values():
         for names in (flags or {}).values():
             all_known |= names
@@ -540,6 +551,39 @@ def test_every_metric_the_docs_name_is_exported(exported_metrics: str) -> None:
 
 def test_every_config_key_the_docs_name_is_defined() -> None:
     _none(config_findings())
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    text = path.read_text(encoding="utf-8")
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # no headings inside code
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def link_findings() -> list[str]:
+    """Every relative link of the docs names a file that exists, and an anchor its headings make."""
+    problems = []
+    for path in doc_files():
+        text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.S | re.M)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            resolved = (path.parent / file_part).resolve() if file_part else path
+            if not resolved.exists():
+                problems.append(f"{_rel(path)}: link {target} names no file")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                problems.append(f"{_rel(path)}: link {target} names no heading of {resolved.name}")
+    return problems
+
+
+def test_every_relative_link_resolves() -> None:
+    _none(link_findings())
 
 
 HISTORY = re.compile(r"\b(?:issues? #?\d+|#\d{2,}\b|sessions? \d+|[Ii]ssue \d+'s)")
