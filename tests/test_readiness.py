@@ -67,6 +67,18 @@ def test_ready_goes_from_503_to_200_when_the_stream_is_heard(tmp_path: Path) -> 
         status, body = wait_for(lambda: (r := _ready(adapter))[0] == 503 and r, "/ready after the engine died")
         assert any("not connected" in reason for reason in body["reasons"]), body
         assert http(adapter.url + "/health")[0] == 200
+
+        # kill -9 and the same command: the registration comes back from the state file (no
+        # /register), unready while its engine is still down, ready once the engine is back
+        adapter.kill9()
+        adapter.start()
+        status, body = _ready(adapter)
+        assert status == 503, body
+        assert any(endpoint in reason or "registry" in reason for reason in body["reasons"]), body
+        pub = Pub(endpoint, replay, "--heartbeat", "0.05")
+        wait_for(lambda: _ready(adapter)[0] == 200, "/ready after the restore and the engine's return")
+        status, text = http(adapter.url + "/metrics")
+        assert 'path="/register"' not in text  # restored, not re-sent
     finally:
         if pub is not None:
             pub.close()
