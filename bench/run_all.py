@@ -1,4 +1,4 @@
-"""Run every benchmark of the project and collect its figures for the README.
+"""Run every benchmark of the project and collect its figures for docs/benchmarks.md.
 
     python bench/run_all.py [--quick] [--only wire,index,...] [--timeout 900] [--out-dir DIR]
 
@@ -7,11 +7,12 @@ subprocess of this interpreter from the repository root, with a timeout; a bench
 does not exist yet is skipped with a note. Every JSON line it prints on stdout is kept (other lines are ignored).
 Writes ``bench/results/latest.json`` (every record, the exact command, exit status, duration,
 the stderr tail of a failure) and ``bench/results/latest.md`` (one markdown table per bench
-with every figure, under the command that produced it) - the table the README shows.
+with every figure, under the command that produced it); ``--readme`` rewrites the block of
+docs/benchmarks.md (the README's summary links it).
 
 ``--quick`` scales each bench down with the flags it offers (a flag is passed only if the
 bench's ``--help`` lists it), for a smoke run, and writes to ``bench/results/quick/``; the
-README's figures come from a full run.
+published figures come from a full run.
 """
 
 from __future__ import annotations
@@ -288,12 +289,14 @@ def routing_rows(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+BENCH_DOC = ROOT / "docs" / "benchmarks.md"  # the README shows a summary and links it
 README_START = "<!-- bench:start -->"
 README_END = "<!-- bench:end -->"
 
 
 def update_readme(report: dict[str, Any], readme: Path) -> bool:
-    """Rewrites the README block between the bench markers; False when the markers are absent."""
+    """Rewrites the block between the bench markers of ``readme`` (docs/benchmarks.md, which the
+    README links); False when the markers are absent."""
     text = readme.read_text(encoding="utf-8")
     if README_START not in text or README_END not in text:
         return False
@@ -301,7 +304,7 @@ def update_readme(report: dict[str, Any], readme: Path) -> bool:
         README_START,
         f"Measured by `{report['command']}` on {report['generated']} on this project's CI machine kind "
         f"({report['machine']['cpus']} CPUs, no accelerator{_load_note(report)}){_remeasured_note(report)}; "
-        "every figure of every bench is in [bench/results/latest.md](bench/results/latest.md).",
+        "every figure of every bench is in [bench/results/latest.md](../bench/results/latest.md).",
         "",
         *target_rows(report),
         "",
@@ -443,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out-dir", type=Path, default=None, help="default bench/results (bench/results/quick with --quick)"
     )
-    parser.add_argument("--readme", action="store_true", help="also rewrite README.md's benchmark block")
+    parser.add_argument("--readme", action="store_true", help="also rewrite the benchmark block of docs/benchmarks.md")
     parser.add_argument(
         "--from-json", type=Path, default=None, help="render an existing latest.json instead of running the benches"
     )
@@ -451,8 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json is not None:
         report = json.loads(args.from_json.read_text(encoding="utf-8"))
         (args.from_json.parent / "latest.md").write_text(markdown(report), encoding="utf-8")
-        if args.readme and not update_readme(report, ROOT / "README.md"):
-            parser.error(f"README.md has no {README_START} ... {README_END} block")
+        if args.readme and not update_readme(report, BENCH_DOC):
+            parser.error(f"docs/benchmarks.md has no {README_START} ... {README_END} block")
         return 0
     out_dir: Path = args.out_dir or (HERE / "results" / "quick" if args.quick else HERE / "results")
     wanted = {name.strip() for name in args.only.split(",") if name.strip()}
@@ -481,8 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = _merged(previous, report, wanted)
     _write(out_dir, report)
     print(f"run_all: wrote {out_dir / 'latest.json'} and {out_dir / 'latest.md'}", file=sys.stderr)
-    if args.readme and not args.quick and update_readme(report, ROOT / "README.md"):
-        print("run_all: rewrote the benchmark block of README.md", file=sys.stderr)
+    if args.readme and not args.quick and update_readme(report, BENCH_DOC):
+        print("run_all: rewrote the benchmark block of docs/benchmarks.md", file=sys.stderr)
     failed = [r["name"] for r in results if r["status"] in ("failed", "timeout")]
     return 1 if failed else 0
 

@@ -516,7 +516,9 @@ def _check_l2(config: Mapping[str, Any], engine_key: str, args: Mapping[str, Any
                 f"is {cfg.w_cpu} with HiCache ({policy}) but without the sglang_kvpub plugin: SGLang sends no "
                 "BlockRemoved(GPU) when HBM is released, and with write_through the exclusive split keeps "
                 "cpu_blocks at 0, so L2 scoring is wrong",
-                'add "plugin": "sglang_kvpub" to the engine, or set "w_cpu": 0',
+                f'set "{ENABLED_ENV}": "1" in motor_engine_prefill_env of Motor\'s env config (the plugin), '
+                'or set "w_cpu": 0 in the kv_affinity of the adapter\'s --config (the adapter scores CPU '
+                "blocks with it; no released Motor reads w_cpu)",
             )
         ]
     if policy == "write_through":

@@ -87,8 +87,9 @@ _FLAT_PREFIX = "kv_affinity_"
 class KvAffinityConfig:
     """Motor's ``scheduler_config.kv_affinity`` settings, with Motor's defaults.
 
-    ``block_size`` comes from ``kv_conductor_config.block_size`` in Motor and must equal the
-    engine's page size.
+    ``block_size`` must equal the engine's page size.  Motor sends its block size in every
+    registration and query, from ``engine_config.block-size`` (default 128); this one is only the
+    adapter's default for requests that name none.
     """
 
     mode: str = "unified"
@@ -127,9 +128,11 @@ class KvAffinityConfig:
 
         Accepts the whole user_config (``motor_coordinator_config.scheduler_config``), a
         ``scheduler_config`` (nested ``kv_affinity`` and/or the older flat ``kv_affinity_*``
-        keys - nested wins), or the ``kv_affinity`` dict itself. ``block_size`` is taken from
+        keys - nested wins), or the ``kv_affinity`` dict itself. ``block_size`` is taken from a
         ``kv_conductor_config.block_size`` (scheduler_config's or top-level) unless the
-        ``kv_affinity`` dict sets it. Raises :class:`ConfigError` listing every problem.
+        ``kv_affinity`` dict sets it: Motor itself never reads that key (it sends
+        ``engine_config.block-size``), but a config written for the adapter may carry it.
+        Raises :class:`ConfigError` listing every problem.
         """
         if not isinstance(config, Mapping):
             raise ConfigError([f"expected a JSON object, got {type(config).__name__}"], INVALID)

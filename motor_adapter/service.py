@@ -1,9 +1,11 @@
 """A kv-conductor-compatible HTTP service: Motor enables affinity by configuration alone.
 
-Point Motor's ``kv_conductor_config.conductor_service`` / ``http_server_port`` at it.
+Point Motor at it: ``KV_CONDUCTOR_SERVICE`` in the coordinator's environment (the host) and
+``kv_conductor_config.http_server_port`` (the port).
 Endpoints (``motor-conductor.md`` section 4): ``POST /register``, ``/unregister``,
 ``/query`` (JSON or msgpack body), ``/query_by_hash``; ``GET /workers``, ``/health``,
-``/metrics``; ours: ``POST /select`` (Motor's decision + log line) and ``/explain``.
+``/metrics``, ``/ready`` (readiness, :mod:`motor_adapter.readiness`); ours: ``POST /select``
+(Motor's decision + log line) and ``/explain``.
 
 State: one :class:`~motor_adapter.affinity.KvAffinity` (one prefix index) per
 ``(model, tenant, block_size)``; one subscription per distinct stream URL in it, shared by
@@ -47,6 +49,7 @@ from motor_adapter.http_contract import (
     u32_tokens,
 )
 from motor_adapter.http_events import EventsIngest
+from motor_adapter.readiness import readiness
 from motor_adapter.registration import (
     DEFAULT_TENANT,
     RegistrationError,
@@ -431,14 +434,19 @@ class _Handlers:
         return web.json_response(self.registry.status())
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(text="OK")
+        return web.Response(text="OK")  # liveness only; /ready says whether the answers are complete
+
+    async def ready(self, request: web.Request) -> web.Response:
+        restored = self.registry.restore_done is not None
+        found = readiness(self.registry.status(), restored, self.state.stream_health())
+        return web.json_response(found.body(), status=200 if found.ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.state.render_metrics() + self.registry.render_metrics() + query_memo_text(self._query_memo)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
-_UNLIMITED_PATHS = frozenset({"/health", "/metrics"})
+_UNLIMITED_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 
 def _rate_limit(config: ServiceConfig) -> list[Any]:
@@ -516,6 +524,7 @@ def build_app(state: AdapterState, registry: DurableRegistrations | None = None)
     app.router.add_get("/workers", handlers.workers)
     app.router.add_get("/registry", handlers.registry_status)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
 
     async def start_registry(app: web.Application) -> None:

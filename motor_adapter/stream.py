@@ -113,6 +113,11 @@ class StreamHealth:
     # empty ones included); None: not known (plain engine stream, or no snapshot yet).
     dp_size: int | None = None
     load_reports: int = 0  # rank-load messages received live (wire.LoadReport)
+    # A replay or snapshot is running, or live batches wait behind one: not caught up yet.
+    syncing: bool = False
+    # Whether ``connected`` can prove the stream alive: heartbeats expected, or a replay endpoint
+    # that answers the sync at start (a plain engine stream without either looks idle when dead).
+    provable: bool = True
 
 
 _COUNTERS = (
@@ -226,7 +231,7 @@ class StreamSubscriber:
         self._backoff = self.options.backoff_min_s
         self._next_reconnect: float | None = None
         # counters (read by health())
-        zero = dict.fromkeys(_COUNTERS, 0)
+        zero: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
         self._c = StreamHealth(
             instance_id, endpoint, dp_rank_override, False, None, None, last_event_age_s=None, **zero
         )
@@ -293,6 +298,8 @@ class StreamSubscriber:
         now = time.monotonic()
         health = dataclasses.replace(self._c)
         health.connected = self._connected(now)
+        health.syncing = self._worker is not None or bool(self._pending)
+        health.provable = self._expect_heartbeats or bool(self.replay_endpoint)
         last = self._last
         if last is not None:  # "start of epoch - 1" means nothing of the epoch applied yet
             health.epoch = wire.seq_epoch(last + 1)
