@@ -143,6 +143,7 @@ def check_config(
     env: Union[Mapping[str, str], None] = None,
     sglang_args: Union[str, None] = None,
     env_config: Any = None,
+    adapter_config: Union[str, None] = None,
 ) -> list[Finding]:
     """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter.
 
@@ -150,6 +151,7 @@ def check_config(
     ``--page-size`` is checked against the ``block-size`` Motor sends.  ``env_config``: Motor's
     env config (``env.json``), where ``motor_engine_prefill_env`` enables the plugin
     (``SGLANG_KVPUB_ENABLED=1``) and ``motor_coordinator_env`` holds the bootstrap port.
+    ``adapter_config``: the adapter's ``serve --config`` file, whose cost must equal the engine's.
     """
     if not isinstance(config, Mapping):
         return [
@@ -168,8 +170,27 @@ def check_config(
     findings += _check_pd(config, engine_key, args, engine_env, _section_env(env_config, "motor_coordinator_config"))
     if sglang_args is not None:
         findings += _check_launch_page(engine_key, args, sglang_args)
+    if adapter_config is not None:
+        findings += _check_cost(engine_key, args, engine_env, adapter_config)
     findings.append(_start_order(conductor_key))
     return findings
+
+
+def _check_cost(
+    engine_key: str, args: Mapping[str, Any], engine_env: Mapping[str, Any], adapter_config: str
+) -> list[Finding]:
+    """The engine's rank cost against the adapter's (motor_adapter/cost_agreement.py)."""
+    from motor_adapter import cost_agreement
+    from sglang_kvpub.config import ConfigError as PluginConfigError
+
+    try:
+        engine = cost_agreement.engine_cost_from_motor(args, engine_env)
+    except PluginConfigError as exc:
+        return [Finding(f"{engine_key} cost", str(exc), "fix the engine's value (docs/config.md)")]
+    found = cost_agreement.check(
+        engine, adapter_config, engine_label=engine_key, env_where=f"{_env_section(engine_key)} of Motor's env config"
+    )
+    return [Finding(m.key, m.message, m.fix) for m in found]
 
 
 def _check_launch_page(engine_key: str, args: Mapping[str, Any], sglang_args: str) -> list[Finding]:

@@ -66,7 +66,9 @@ def _check_config(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"{args.env_config}: cannot read a JSON env config: {exc}")
             return 1
-    findings = check_config(config, sglang_args=args.sglang_args, env_config=engine_env)
+    findings = check_config(
+        config, sglang_args=args.sglang_args, env_config=engine_env, adapter_config=args.adapter_config
+    )
     problems = [f for f in findings if f.severity == "problem"]
     for finding in findings:
         print(finding)
@@ -156,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-config",
         default=None,
         help="Motor's env config (env.json: motor_engine_prefill_env, motor_coordinator_env)",
+    )
+    check.add_argument(
+        "--adapter-config",
+        default=None,
+        help="the adapter's serve --config JSON: its kv_affinity cost must equal the engine's plugin cost keys",
     )
     check.set_defaults(run=_check_config)
 
