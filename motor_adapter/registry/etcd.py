@@ -1,5 +1,16 @@
 """``--registry etcd://HOST:PORT[,HOST:PORT...]/PREFIX``: registrations shared by adapter replicas.
 
+TLS and authentication are options of the spec (docs/operations.md)::
+
+    etcd://HOST:2379/PREFIX?tls_ca=/etc/etcd/ca.pem&tls_cert=/etc/etcd/client.pem&tls_key=/etc/etcd/client-key.pem
+    etcd://HOST:2379/PREFIX?tls=1&user=motor&password_file=/run/secrets/etcd-password
+
+``tls=1`` or any ``tls_*`` option speaks https (``tls_ca``: the CA that signed etcd's
+certificate, else the system's; ``tls_cert`` and ``tls_key`` together: this client's, for
+``--client-cert-auth``).  ``user`` authenticates with the password from ``password_file`` or
+the environment variable ``MOTOR_KV_ADAPTER_ETCD_PASSWORD`` - never from the spec, which is
+logged.
+
 Keys under ``PREFIX`` (default ``/motor-kv-adapter``)::
 
     PREFIX/registrations/<tenant>/<model>/<instance_id>/<dp_rank>   the /register body, NO lease
@@ -38,18 +49,19 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, Union
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from motor_adapter.registry.etcd_gateway import EtcdError, EtcdGateway, KeyValue, WatchEvent
+from motor_adapter.registry.etcd_gateway import EtcdAuth, EtcdError, EtcdGateway, EtcdTls, KeyValue, WatchEvent
 from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
 
-__all__ = ["DEFAULT_PREFIX", "EtcdStore"]
+__all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "EtcdStore"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/motor-kv-adapter"
+PASSWORD_ENV = "MOTOR_KV_ADAPTER_ETCD_PASSWORD"
 _VALUE_VERSION = 1
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 2.0
@@ -58,6 +70,62 @@ _Op = tuple[Literal["put", "delete"], Union[Record, None]]
 
 def _quote(part: str) -> str:
     return quote(part, safe="")
+
+
+_SECURITY_OPTIONS = ("tls", "tls_ca", "tls_cert", "tls_key", "user", "password_file")
+
+
+def _readable(url: str, option: str, path: str) -> str:
+    if not path:
+        raise RegistryError(f"--registry {url!r}: {option} is empty: give a file path")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise RegistryError(
+            f"--registry {url!r}: {option}={path!r} cannot be read ({exc.strerror}): give a readable PEM file"
+        ) from None
+    return path
+
+
+def _security(
+    url: str, given: Mapping[str, str], env: Mapping[str, str]
+) -> tuple[Union[EtcdTls, None], Union[EtcdAuth, None]]:
+    """The spec's TLS and auth options, each file checked now (a bad one fails the start, named)."""
+    tls_flag = given.get("tls", "")
+    if tls_flag not in ("", "0", "1", "true", "false"):
+        raise RegistryError(f"--registry {url!r}: tls={tls_flag!r}: write tls=1 (https) or leave it out")
+    ca, cert, key = (given.get(name) for name in ("tls_ca", "tls_cert", "tls_key"))
+    if (cert is None) != (key is None):
+        raise RegistryError(
+            f"--registry {url!r}: tls_cert and tls_key go together (this client's certificate and its key): give both"
+        )
+    tls = None
+    if tls_flag in ("1", "true") or ca is not None or cert is not None:
+        tls = EtcdTls(
+            ca=_readable(url, "tls_ca", ca) if ca is not None else None,
+            cert=_readable(url, "tls_cert", cert) if cert is not None else None,
+            key=_readable(url, "tls_key", key) if key is not None else None,
+        )
+    user, password_file = given.get("user"), given.get("password_file")
+    if user is None:
+        if password_file is not None:
+            raise RegistryError(f"--registry {url!r}: password_file without user: add user=NAME")
+        return tls, None
+    if not user:
+        raise RegistryError(f"--registry {url!r}: user is empty: give etcd's user name")
+    if password_file is not None:
+        with open(_readable(url, "password_file", password_file), encoding="utf-8") as handle:
+            password = handle.read().rstrip("\r\n")
+    elif env.get(PASSWORD_ENV):
+        password = env[PASSWORD_ENV]
+    else:
+        raise RegistryError(
+            f"--registry {url!r}: user {user!r} has no password: add password_file=PATH or set {PASSWORD_ENV}"
+        )
+    if tls is None:
+        log.warning("registry %s: etcd user %r without TLS: the password crosses the network in clear", url, user)
+    return tls, EtcdAuth(user, password)
 
 
 class EtcdStore:
@@ -71,15 +139,22 @@ class EtcdStore:
         lease_ttl_s: int = 10,
         timeout_s: float = 1.0,
         connect_wait_s: float = 2.0,
+        tls: Union[EtcdTls, None] = None,
+        auth: Union[EtcdAuth, None] = None,
     ) -> None:
         self.endpoints = endpoints
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.connect_wait_s = connect_wait_s
         self.write_wait_s = timeout_s  # a /register answer waits at most this long for etcd, endpoints tried included
-        self.description = f"etcd://{','.join(e.split('://', 1)[1] for e in endpoints)}{prefix}"
+        self.tls = tls
+        self.user = auth.user if auth is not None else None
+        security = [w for w in ("tls" if tls else "", f"user {self.user}" if self.user else "") if w]
+        self.description = f"etcd://{','.join(e.split('://', 1)[1] for e in endpoints)}{prefix}" + (
+            f" ({', '.join(security)})" if security else ""
+        )
         self.replica = replica_id()
-        self._gw = EtcdGateway(endpoints, timeout_s=timeout_s)
+        self._gw = EtcdGateway(endpoints, timeout_s=timeout_s, tls=tls, auth=auth)
         self._reg_prefix = f"{prefix}/registrations/".encode()
         self._replica_key = f"{prefix}/replicas/{_quote(self.replica)}".encode()
         self._lease = 0
@@ -97,8 +172,8 @@ class EtcdStore:
         self._warned: set[bytes] = set()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> EtcdStore:
-        """``etcd://h1:2379[,h2:2379]/prefix[?lease_ttl=10&timeout=1]``."""
+    def from_url(cls, url: str, env: Union[Mapping[str, str], None] = None, **options: Any) -> EtcdStore:
+        """``etcd://h1:2379[,h2:2379]/prefix[?lease_ttl=10&timeout=1&tls_ca=...&user=...]`` (module docstring)."""
         parts = urlsplit(url)
         hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
         if not hosts or any(":" not in h or not h.rsplit(":", 1)[1].isdigit() for h in hosts):
@@ -111,9 +186,14 @@ class EtcdStore:
             "timeout": ("timeout_s", float),
             "connect_wait": ("connect_wait_s", float),
         }
+        security: dict[str, str] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name in _SECURITY_OPTIONS:
+                security[name] = value
+                continue
             if name not in known:
-                raise RegistryError(f"--registry {url!r}: unknown option {name!r} (known: {', '.join(sorted(known))})")
+                names = ", ".join(sorted([*known, *_SECURITY_OPTIONS]))
+                raise RegistryError(f"--registry {url!r}: unknown option {name!r} (known: {names})")
             field, kind = known[name]
             try:
                 options[field] = kind(value)
@@ -121,7 +201,9 @@ class EtcdStore:
                 raise RegistryError(f"--registry {url!r}: {name} must be a number, got {value!r}") from exc
         if options.get("lease_ttl_s", 10) < 2:
             raise RegistryError(f"--registry {url!r}: lease_ttl must be at least 2 s")
-        return cls([f"http://{h}" for h in hosts], prefix, **options)
+        tls, auth = _security(url, security, os.environ if env is None else env)
+        scheme = "https" if tls is not None else "http"
+        return cls([f"{scheme}://{h}" for h in hosts], prefix, tls=tls, auth=auth, **options)
 
     # ------------------------------------------------------------------ keys and values
 
@@ -228,6 +310,8 @@ class EtcdStore:
             "backend": "etcd",
             "durable": True,
             "endpoints": list(self.endpoints),
+            "tls": self.tls is not None,
+            "user": self.user,
             "prefix": self.prefix,
             "replica": self.replica,
             "lease": self._lease,
