@@ -312,6 +312,7 @@ class EtcdStore:
             "endpoints": list(self.endpoints),
             "tls": self.tls is not None,
             "user": self.user,
+            "logins": self._gw.logins,
             "prefix": self.prefix,
             "replica": self.replica,
             "lease": self._lease,

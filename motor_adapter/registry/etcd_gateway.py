@@ -161,6 +161,7 @@ class _Endpoint:
         )
         self._token_lock = threading.Lock()
         self._authenticated = False
+        self.logins = 0  # tokens taken (the first, then one per expiry)
 
     def close(self) -> None:
         self.client.session.close()
@@ -185,6 +186,7 @@ class _Endpoint:
                 raise EtcdError(f"{self.url}: etcd gave no auth token for user {self.auth.user!r}: is auth enabled?")
             self.client.session.headers["Authorization"] = str(token)
             self._authenticated = True
+            self.logins += 1
 
     def post(self, path: str, body: dict[str, Any]) -> Any:
         """One call; authenticates first (and once more when etcd says the token expired)."""
@@ -228,6 +230,11 @@ class EtcdGateway:
         self._members = [_Endpoint(url, timeout_s, tls, auth) for url in self.endpoints]
         self._current = 0
         self._pool: Union[concurrent.futures.ThreadPoolExecutor, None] = None
+
+    @property
+    def logins(self) -> int:
+        """Auth tokens taken from etcd so far (0 without a user)."""
+        return sum(member.logins for member in self._members)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
