@@ -181,11 +181,10 @@ def _check_cost(
 ) -> list[Finding]:
     """The engine's rank cost against the adapter's (motor_adapter/cost_agreement.py)."""
     from motor_adapter import cost_agreement
-    from sglang_kvpub.config import ConfigError as PluginConfigError
 
     try:
         engine = cost_agreement.engine_cost_from_motor(args, engine_env)
-    except PluginConfigError as exc:
+    except ConfigError as exc:
         return [Finding(f"{engine_key} cost", str(exc), "fix the engine's value (docs/config.md)")]
     found = cost_agreement.check(
         engine, adapter_config, engine_label=engine_key, env_where=f"{_env_section(engine_key)} of Motor's env config"

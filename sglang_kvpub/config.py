@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import socket
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union, get_args
 
+from sglang_kvpub.core.cost_settings import COST_KEYS, ENV_PREFIX, cost_from_env, cost_problem, env_name
 from sglang_kvpub.core.errors import ConfigError
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "SGLANG_KVPUB_"
 
 HashFormName = Literal["u64", "i64"]
 EncodingName = Literal["map", "array"]
@@ -44,19 +43,8 @@ FullPolicy = Literal["drop_oldest", "drop_newest"]
 RankSendName = Literal["inline", "thread"]
 DispatchName = Literal["default", "cache_aware"]
 
-# The rank cost's settings (core/rank_cost.CostParams), spelled as the Motor adapter's
+# The rank cost's settings (COST_KEYS, core/cost_settings.py) are spelled as the Motor adapter's
 # kv_affinity spells them, so one set of values configures both halves (docs/dispatch.md).
-COST_KEYS = (
-    "w_npu",
-    "w_cpu",
-    "w_disk",
-    "prefill_load_scale",
-    "overlap_credit",
-    "load_weight",
-    "hotspot_spread",
-    "hotspot_relative",
-)
-_OPTIONAL_COST_KEYS = ("hotspot_spread", "hotspot_relative")  # null: that half of the guard is off
 DISPATCH_LOG_KEYS = ("dispatch_log", "dispatch_log_every")
 DispatchLogName = Literal["debug", "info", "off"]
 
@@ -88,10 +76,6 @@ PLUGIN_KEYS = (
     *COST_KEYS,
     *DISPATCH_LOG_KEYS,
 )
-
-
-def env_name(key: str) -> str:
-    return ENV_PREFIX + key.upper()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,12 +199,7 @@ def _from_env(key: str, raw: str) -> Any:
         except ValueError:
             raise _bad(key, raw, "use a positive integer, e.g. 100") from None
     if key in COST_KEYS:
-        if key in _OPTIONAL_COST_KEYS and text.lower() in ("", "none", "null", "off"):
-            return None
-        try:
-            return float(text)
-        except ValueError:
-            raise _bad(key, raw, "use a number >= 0, e.g. 1.0") from None
+        return cost_from_env(key, raw)
     return text
 
 
@@ -295,16 +274,10 @@ def _internal_channel(key: str, value: Any) -> None:
         raise _bad(key, value, "ranks connect to it: give the fan-in host's address, e.g. 'tcp://10.0.0.1:5600'")
 
 
-def _cost(optional: bool) -> Callable[[str, Any], None]:
-    def check(key: str, value: Any) -> None:
-        if value is None and optional:
-            return
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not math.isfinite(value) or value < 0:
-            what = "a number >= 0 or null (off)" if optional else "a number >= 0"
-            raise _bad(key, value, f"use {what}, the same value as the Motor adapter's kv_affinity.{key}")
-
-    return check
+def _cost(key: str, value: Any) -> None:
+    fix = cost_problem(key, value)
+    if fix is not None:
+        raise _bad(key, value, fix)
 
 
 def _optional_path(key: str, value: Any) -> None:
@@ -334,7 +307,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "curve_secret_key_file": _optional_path,
     "curve_public_key_file": _optional_path,
     "curve_authorized_keys": _optional_path,
-    **{key: _cost(key in _OPTIONAL_COST_KEYS) for key in COST_KEYS},
+    **{key: _cost for key in COST_KEYS},
     "dispatch_log": _choice(get_args(DispatchLogName)),
     "dispatch_log_every": _positive_int(1),
 }

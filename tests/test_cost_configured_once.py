@@ -284,3 +284,35 @@ def test_the_decision_log_refuses_a_bad_switch() -> None:
     dlog = dispatch_hook.DecisionLog("off")
     dlog(_decision(0), "x")
     assert dlog.decisions == 0
+
+
+@pytest.mark.unit
+def test_both_halves_default_to_the_same_cost() -> None:
+    from motor_adapter.scoring import KvAffinityConfig
+    from sglang_kvpub.core import cost_settings
+    from sglang_kvpub.core.rank_cost import CostParams
+
+    adapter = KvAffinityConfig()
+    params = CostParams(BS)
+    for key in COST_KEYS:
+        plugin_default = PluginConfig().cost()[key]
+        assert cost_settings.DEFAULTS[key] == getattr(adapter, key) == getattr(params, key) == plugin_default
+
+
+@pytest.mark.unit
+def test_sglang_kvpub_check_config_sends_a_motor_config_adapter_to_the_adapters_check(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter.json"
+    adapter.write_text(json.dumps({"motor_config": str(EXAMPLES / "motor_user_config.json")}))
+    events = '{"publisher":"zmq"}'
+    args = ["check-config", "--kv-events-config", events, "--adapter-config", str(adapter)]
+    done = _cli("-m", "sglang_kvpub.cli", *args)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "takes its weights from motor_config" in done.stdout
+    assert "motor-kv-adapter check-config USER_CONFIG --env-config ENV --adapter-config" in done.stdout
+
+
+@pytest.mark.unit
+def test_docs_name_every_cost_and_log_key_with_its_env_var() -> None:
+    text = (ROOT / "docs" / "config.md").read_text()
+    for key in (*COST_KEYS, "dispatch_log", "dispatch_log_every"):
+        assert f"`{key}`" in text and f"`SGLANG_KVPUB_{key.upper()}`" in text, key

@@ -19,6 +19,7 @@ import argparse
 import json
 
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.core import cost_settings
 from sglang_kvpub.core.load_balance import plan_dispatch
 from sglang_kvpub.engine import tree_cores
 
@@ -89,11 +90,20 @@ def _cost_mismatches(kv_events_config: str, adapter_config: str) -> list[str]:
     """The cost keys on which the plugin (this JSON plus SGLANG_KVPUB_*) and the adapter differ."""
     import os
 
-    from motor_adapter import cost_agreement  # the router side's reading of its own config
-
     data = json.loads(kv_events_config) if kv_events_config.strip() else {}
-    engine = cost_agreement.engine_cost(data, os.environ)
-    return [str(m) for m in cost_agreement.check(engine, adapter_config)]
+    engine, where = cost_settings.engine_cost(data, os.environ)
+    fix = "pass the JSON given to motor-kv-adapter serve --config"
+    try:
+        with open(adapter_config, encoding="utf-8") as handle:
+            raw = json.load(handle)
+        adapter = cost_settings.adapter_cost_from_json(raw) if isinstance(raw, dict) else None
+    except (OSError, ValueError) as exc:
+        return [str(cost_settings.Mismatch("--adapter-config", f"{adapter_config}: cannot be read: {exc}", fix))]
+    if adapter is None:
+        why = f"{adapter_config} takes its weights from motor_config, not a kv_affinity object"
+        fix = "compare with motor-kv-adapter check-config USER_CONFIG --env-config ENV --adapter-config THIS_FILE"
+        return [str(cost_settings.Mismatch("--adapter-config", why, fix))]
+    return [str(m) for m in cost_settings.compare(engine, where, adapter, adapter_config)]
 
 
 def run(args: argparse.Namespace) -> int:
