@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--registry",
         default=None,
         help="where registrations outlive a restart: file:PATH (default: "
-        "$XDG_STATE_HOME/motor-kv-adapter/registrations-<port>.json), etcd://HOST:PORT/PREFIX (replicas), "
+        "$XDG_STATE_HOME/motor-kv-adapter/registrations-<port>.json), etcd://HOST:PORT/PREFIX (replicas; "
+        "TLS and auth: ?tls_ca=&tls_cert=&tls_key=&user=&password_file=, docs/operations.md), "
         "or memory (nothing survives); env MOTOR_KV_ADAPTER_REGISTRY",
     )
     serve.set_defaults(run=_serve)
