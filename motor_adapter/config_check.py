@@ -170,26 +170,14 @@ def check_config(
     findings += _check_pd(config, engine_key, args, engine_env, _section_env(env_config, "motor_coordinator_config"))
     if sglang_args is not None:
         findings += _check_launch_page(engine_key, args, sglang_args)
-    if adapter_config is not None:
-        findings += _check_cost(engine_key, args, engine_env, adapter_config)
+    if adapter_config is not None:  # the engine's rank cost against the adapter's (cost_agreement.py)
+        from motor_adapter.cost_agreement import check_motor_engine
+
+        where = f"{_env_section(engine_key)} of Motor's env config"
+        found = check_motor_engine(engine_key, args, engine_env, adapter_config, where)
+        findings += [Finding(m.key, m.message, m.fix) for m in found]
     findings.append(_start_order(conductor_key))
     return findings
-
-
-def _check_cost(
-    engine_key: str, args: Mapping[str, Any], engine_env: Mapping[str, Any], adapter_config: str
-) -> list[Finding]:
-    """The engine's rank cost against the adapter's (motor_adapter/cost_agreement.py)."""
-    from motor_adapter import cost_agreement
-
-    try:
-        engine = cost_agreement.engine_cost_from_motor(args, engine_env)
-    except ConfigError as exc:
-        return [Finding(f"{engine_key} cost", str(exc), "fix the engine's value (docs/config.md)")]
-    found = cost_agreement.check(
-        engine, adapter_config, engine_label=engine_key, env_where=f"{_env_section(engine_key)} of Motor's env config"
-    )
-    return [Finding(m.key, m.message, m.fix) for m in found]
 
 
 def _check_launch_page(engine_key: str, args: Mapping[str, Any], sglang_args: str) -> list[Finding]:

@@ -16,7 +16,7 @@ from motor_adapter.scoring import ConfigError
 from motor_adapter.settings import ServiceConfig
 from sglang_kvpub.core.cost_settings import COST_KEYS, Cost, Mismatch, compare, engine_cost
 
-__all__ = ["check", "engine_cost_from_motor", "load_adapter_cost"]
+__all__ = ["check", "check_motor_engine", "engine_cost_from_motor", "load_adapter_cost"]
 
 
 def engine_cost_from_motor(
@@ -54,3 +54,14 @@ def check(
         fix = "pass the JSON given to motor-kv-adapter serve --config"
         return [Mismatch("--adapter-config", f"{adapter_config_path}: cannot be read: {exc}", fix)]
     return compare(engine[0], engine[1], adapter, adapter_config_path, engine_label, env_where)
+
+
+def check_motor_engine(
+    engine_key: str, engine_args: Mapping[str, Any], engine_env: Mapping[str, Any], adapter_config: str, env_where: str
+) -> list[Mismatch]:
+    """:func:`check` for the engine Motor launches from ``engine_key`` (a bad engine value: one mismatch)."""
+    try:
+        engine = engine_cost_from_motor(engine_args, engine_env)
+    except ConfigError as exc:
+        return [Mismatch(f"{engine_key} cost", str(exc), "fix the engine's value (docs/config.md)")]
+    return check(engine, adapter_config, engine_label=engine_key, env_where=env_where)

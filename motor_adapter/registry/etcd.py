@@ -54,6 +54,7 @@ from typing import Any, Literal, Union
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from motor_adapter.registry.etcd_gateway import EtcdAuth, EtcdError, EtcdGateway, EtcdTls, KeyValue, WatchEvent
+from motor_adapter.registry.etcd_security import PASSWORD_ENV, SECURITY_OPTIONS, security_options
 from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
 
 __all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "EtcdStore"]
@@ -61,7 +62,6 @@ __all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "EtcdStore"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "/motor-kv-adapter"
-PASSWORD_ENV = "MOTOR_KV_ADAPTER_ETCD_PASSWORD"
 _VALUE_VERSION = 1
 _BACKOFF_MIN_S = 0.2
 _BACKOFF_MAX_S = 2.0
@@ -70,62 +70,6 @@ _Op = tuple[Literal["put", "delete"], Union[Record, None]]
 
 def _quote(part: str) -> str:
     return quote(part, safe="")
-
-
-_SECURITY_OPTIONS = ("tls", "tls_ca", "tls_cert", "tls_key", "user", "password_file")
-
-
-def _readable(url: str, option: str, path: str) -> str:
-    if not path:
-        raise RegistryError(f"--registry {url!r}: {option} is empty: give a file path")
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as exc:
-        raise RegistryError(
-            f"--registry {url!r}: {option}={path!r} cannot be read ({exc.strerror}): give a readable PEM file"
-        ) from None
-    return path
-
-
-def _security(
-    url: str, given: Mapping[str, str], env: Mapping[str, str]
-) -> tuple[Union[EtcdTls, None], Union[EtcdAuth, None]]:
-    """The spec's TLS and auth options, each file checked now (a bad one fails the start, named)."""
-    tls_flag = given.get("tls", "")
-    if tls_flag not in ("", "0", "1", "true", "false"):
-        raise RegistryError(f"--registry {url!r}: tls={tls_flag!r}: write tls=1 (https) or leave it out")
-    ca, cert, key = (given.get(name) for name in ("tls_ca", "tls_cert", "tls_key"))
-    if (cert is None) != (key is None):
-        raise RegistryError(
-            f"--registry {url!r}: tls_cert and tls_key go together (this client's certificate and its key): give both"
-        )
-    tls = None
-    if tls_flag in ("1", "true") or ca is not None or cert is not None:
-        tls = EtcdTls(
-            ca=_readable(url, "tls_ca", ca) if ca is not None else None,
-            cert=_readable(url, "tls_cert", cert) if cert is not None else None,
-            key=_readable(url, "tls_key", key) if key is not None else None,
-        )
-    user, password_file = given.get("user"), given.get("password_file")
-    if user is None:
-        if password_file is not None:
-            raise RegistryError(f"--registry {url!r}: password_file without user: add user=NAME")
-        return tls, None
-    if not user:
-        raise RegistryError(f"--registry {url!r}: user is empty: give etcd's user name")
-    if password_file is not None:
-        with open(_readable(url, "password_file", password_file), encoding="utf-8") as handle:
-            password = handle.read().rstrip("\r\n")
-    elif env.get(PASSWORD_ENV):
-        password = env[PASSWORD_ENV]
-    else:
-        raise RegistryError(
-            f"--registry {url!r}: user {user!r} has no password: add password_file=PATH or set {PASSWORD_ENV}"
-        )
-    if tls is None:
-        log.warning("registry %s: etcd user %r without TLS: the password crosses the network in clear", url, user)
-    return tls, EtcdAuth(user, password)
 
 
 class EtcdStore:
@@ -188,11 +132,11 @@ class EtcdStore:
         }
         security: dict[str, str] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
-            if name in _SECURITY_OPTIONS:
+            if name in SECURITY_OPTIONS:
                 security[name] = value
                 continue
             if name not in known:
-                names = ", ".join(sorted([*known, *_SECURITY_OPTIONS]))
+                names = ", ".join(sorted([*known, *SECURITY_OPTIONS]))
                 raise RegistryError(f"--registry {url!r}: unknown option {name!r} (known: {names})")
             field, kind = known[name]
             try:
@@ -201,7 +145,7 @@ class EtcdStore:
                 raise RegistryError(f"--registry {url!r}: {name} must be a number, got {value!r}") from exc
         if options.get("lease_ttl_s", 10) < 2:
             raise RegistryError(f"--registry {url!r}: lease_ttl must be at least 2 s")
-        tls, auth = _security(url, security, os.environ if env is None else env)
+        tls, auth = security_options(url, security, os.environ if env is None else env)
         scheme = "https" if tls is not None else "http"
         return cls([f"{scheme}://{h}" for h in hosts], prefix, tls=tls, auth=auth, **options)
 
