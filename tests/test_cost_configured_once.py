@@ -110,6 +110,29 @@ def test_the_controller_builds_its_dispatcher_with_the_configured_cost(
     assert not any(guard.stats()["failures"].values())
 
 
+@pytest.mark.unit
+def test_a_bad_cost_in_the_controller_switches_dispatch_off_and_never_stops_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The launcher refuses a bad value; a controller that gets one anyway (the env-only path)
+    runs on with SGLang's own dispatch, the failure logged and counted."""
+    guard.reset()
+    monkeypatch.setenv(plugin.ENABLED_ENV, "1")
+    monkeypatch.setenv("SGLANG_KVPUB_W_CPU", "-1")
+    topology = sglang_compat.Topology(num_dp_ranks=RANKS, uses_dp_controller=True, block_size=BS)
+    monkeypatch.setattr(sglang_compat, "controller_topology", lambda: topology)
+    monkeypatch.setattr(plugin, "start_controller_fanin", lambda config, topo: None)
+    method = types.SimpleNamespace(name="ROUND_ROBIN")
+    controller = types.SimpleNamespace(workers=[1] * RANKS, load_balance_method=method)
+    server_args = types.SimpleNamespace(kv_events_config='{"publisher": "zmq"}', disaggregation_mode="null")
+    with caplog.at_level(logging.WARNING):
+        assert plugin._controller_init_hook(lambda self, *a: "built", controller, server_args) == "built"
+    assert getattr(controller, "kvpub_dispatcher", None) is None
+    assert guard.stats()["failures"][guard.DISPATCH] == 1
+    assert any("SGLANG_KVPUB_W_CPU" in r.getMessage() for r in caplog.records)
+    guard.reset()
+
+
 # =========================================================================== one answer
 
 
