@@ -195,6 +195,7 @@ class Rig(motor_rig.MotorRig):
         spec = self.spec
         extra = {k: v for k, v in events.items() if k not in ("endpoint", "replay_endpoint", "publisher")}
         extra["dp_dispatch"] = spec.dispatch
+        extra["dispatch_log"] = "info"  # the rig reads every decision's line (parse_dispatches)
         return sglang_server.ServerSpec(
             model_path=spec.model_dir,
             log_path=spec.work_dir / "sglang.log",

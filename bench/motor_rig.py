@@ -47,6 +47,8 @@ class MotorRig:
         self.adapter_log = work_dir / "adapter.log"
         self._adapter: subprocess.Popen[bytes] | None = None
         self.timings: dict[str, float] = {}
+        # The adapter's kv_affinity (its serve --config): the engines' rank cost, so both halves agree.
+        self.adapter_kv_affinity: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,6 +93,10 @@ class MotorRig:
     def _start_adapter(self) -> None:
         command = [sys.executable, "-m", "motor_adapter.cli", "serve", "--host", "127.0.0.1"]
         command += ["--port", str(self.adapter_port), "--registry", "memory"]
+        if self.adapter_kv_affinity:
+            config = self.work_dir / "adapter_config.json"
+            config.write_text(json.dumps({"kv_affinity": self.adapter_kv_affinity}), encoding="utf-8")
+            command += ["--config", str(config)]
         with open(self.adapter_log, "wb") as log:
             self._adapter = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True

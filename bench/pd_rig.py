@@ -45,6 +45,7 @@ import motor_rig
 import sglang_server
 
 from motor_adapter.tools.motor_coordinator import Coordinator, instance_event
+from sglang_kvpub.config import COST_KEYS, env_name
 
 __all__ = ["PD_EXAMPLE_CONFIG", "PdCompletion", "PdRig", "PdRigSpec", "motor_pd_config_from_example"]
 
@@ -163,6 +164,10 @@ class PdRig(motor_rig.MotorRig):
         self.model_name = str(prefill_section["model_config"]["model_name"])
         self.prefill_engine = dict(prefill_section["engine_config"])
         self.engine_env = json.loads(PD_EXAMPLE_ENV.read_text(encoding="utf-8"))
+        prefill_env = self.engine_env.get("motor_engine_prefill_env", {})
+        self.adapter_kv_affinity = {  # the example's engine cost keys, given to the adapter as well
+            key: float(prefill_env[env_name(key)]) for key in COST_KEYS if prefill_env.get(env_name(key)) is not None
+        }
         events = dict(self.prefill_engine["kv-events-config"])
         self.bootstrap_port = sglang_server.free_port_block(1)  # the documented 8998 may be taken here
         kv_port, replay_port = sglang_server.free_port_block(1), sglang_server.free_port_block(1)
@@ -219,6 +224,7 @@ class PdRig(motor_rig.MotorRig):
         spec = self.spec
         extra = {k: v for k, v in events.items() if k not in ("endpoint", "replay_endpoint", "publisher")}
         extra["dp_dispatch"] = spec.dispatch
+        extra["dispatch_log"] = "info"  # the rig reads every decision's line (parse_dispatches)
         args = self._engine_args(self.prefill_engine, ("served-model-name",))
         args += ["--served-model-name", self.model_name, "--enable-cache-report", "--sleep-on-idle"]
         args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]

@@ -144,6 +144,7 @@ def check_config(
     env: Union[Mapping[str, str], None] = None,
     sglang_args: Union[str, None] = None,
     env_config: Any = None,
+    adapter_config: Union[str, None] = None,
 ) -> list[Finding]:
     """Every problem (and note) in a Motor user config for KV affinity with SGLang + this adapter.
 
@@ -151,6 +152,7 @@ def check_config(
     ``--page-size`` is checked against the ``block-size`` Motor sends.  ``env_config``: Motor's
     env config (``env.json``), where ``motor_engine_prefill_env`` enables the plugin
     (``SGLANG_KVPUB_ENABLED=1``) and ``motor_coordinator_env`` holds the bootstrap port.
+    ``adapter_config``: the adapter's ``serve --config`` file, whose cost must equal the engine's.
     """
     if not isinstance(config, Mapping):
         return [
@@ -169,6 +171,12 @@ def check_config(
     findings += _check_pd(config, engine_key, args, engine_env, _section_env(env_config, "motor_coordinator_config"))
     if sglang_args is not None:
         findings += _check_launch_page(engine_key, args, sglang_args)
+    if adapter_config is not None:  # the engine's rank cost against the adapter's (cost_agreement.py)
+        from motor_adapter.cost_agreement import check_motor_engine
+
+        where = f"{_env_section(engine_key)} of Motor's env config"
+        found = check_motor_engine(engine_key, args, engine_env, adapter_config, where)
+        findings += [Finding(m.key, m.message, m.fix) for m in found]
     findings.append(_start_order(conductor_key))
     findings.append(Finding(conductor_key, RUST_CONDUCTOR_MESSAGE, RUST_CONDUCTOR_FIX, severity="note"))
     return findings

@@ -79,6 +79,7 @@ INVALID = "invalid kv_affinity configuration"  # heads every ConfigError message
 
 _FLOAT_KEYS = ("load_weight", "overlap_credit", "prefill_load_scale", "w_npu", "w_cpu", "w_disk", "hit_rate_threshold")
 _INT_KEYS = ("load_gate_topn", "block_size")
+_GUARD_KEYS = ("hotspot_spread", "hotspot_relative")  # null: that half of the guard is off
 # Keys Motor's older releases kept flat in scheduler_config as kv_affinity_<key>.
 _FLAT_PREFIX = "kv_affinity_"
 
@@ -102,6 +103,10 @@ class KvAffinityConfig:
     w_disk: float = 0.0
     hit_rate_threshold: float = 0.0
     block_size: int = 128
+    # The rank cost's hot-spot guard (sglang_kvpub.core.rank_cost), not Motor's: no Motor reads
+    # them; set them equal to the engine plugin's keys of the same names (docs/dispatch.md).
+    hotspot_spread: Union[float, None] = None
+    hotspot_relative: Union[float, None] = None
 
     def __post_init__(self) -> None:
         problems = _validate(dataclasses.asdict(self), prefix="kv_affinity.")
@@ -113,6 +118,9 @@ class KvAffinityConfig:
             object.__setattr__(self, key, int(getattr(self, key)))
         for key in _FLOAT_KEYS:
             object.__setattr__(self, key, float(getattr(self, key)))
+        for key in _GUARD_KEYS:
+            value = getattr(self, key)
+            object.__setattr__(self, key, None if value is None else float(value))
 
     @property
     def gate_topn(self) -> int:
@@ -198,6 +206,9 @@ def _validate(values: Mapping[str, Any], prefix: str) -> list[str]:
     for key in _INT_KEYS:
         if key in values:
             problems += _check_number(prefix + key, values[key], integer=True)
+    for key in _GUARD_KEYS:
+        if values.get(key) is not None:
+            problems += _check_number(prefix + key, values[key], integer=False)
     threshold = values.get("hit_rate_threshold", 0.0)
     if _is_number(threshold) and threshold > 1:
         problems.append(f"{prefix}hit_rate_threshold is {threshold}: it is a ratio, use a value in [0, 1] (0 = off)")

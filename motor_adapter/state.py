@@ -1041,7 +1041,7 @@ _PARAMS: dict[KvAffinityConfig, CostParams] = {}
 
 
 def _cost_params(cfg: KvAffinityConfig) -> CostParams:
-    """The shared rank cost's constants under Motor's weights (the guard: the dispatcher's defaults)."""
+    """The shared rank cost's constants under the configured weights and hot-spot guard."""
     params = _PARAMS.get(cfg)
     if params is None:
         if len(_PARAMS) >= 64:
@@ -1054,6 +1054,8 @@ def _cost_params(cfg: KvAffinityConfig) -> CostParams:
             cfg.prefill_load_scale,
             cfg.overlap_credit,
             cfg.load_weight,
+            cfg.hotspot_spread,
+            cfg.hotspot_relative,
         )
     return params
 

@@ -18,12 +18,15 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Union, get_args
 
+from sglang_kvpub.core.cost_settings import COST_KEYS, ENV_PREFIX, cost_from_env, cost_problem, env_name
 from sglang_kvpub.core.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
     "SGLANG_KEYS",
     "PLUGIN_KEYS",
+    "COST_KEYS",
+    "DISPATCH_LOG_KEYS",
     "ConfigError",
     "PluginConfig",
     "env_name",
@@ -33,13 +36,17 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "SGLANG_KVPUB_"
 
 HashFormName = Literal["u64", "i64"]
 EncodingName = Literal["map", "array"]
 FullPolicy = Literal["drop_oldest", "drop_newest"]
 RankSendName = Literal["inline", "thread"]
 DispatchName = Literal["default", "cache_aware"]
+
+# The rank cost's settings (COST_KEYS, core/cost_settings.py) are spelled as the Motor adapter's
+# kv_affinity spells them, so one set of values configures both halves (docs/dispatch.md).
+DISPATCH_LOG_KEYS = ("dispatch_log", "dispatch_log_every")
+DispatchLogName = Literal["debug", "info", "off"]
 
 # Keys of SGLang's KVEventsConfig (0.5.23); only they are read from the JSON by SGLang itself.
 SGLANG_KEYS = (
@@ -66,11 +73,9 @@ PLUGIN_KEYS = (
     "curve_secret_key_file",
     "curve_public_key_file",
     "curve_authorized_keys",
+    *COST_KEYS,
+    *DISPATCH_LOG_KEYS,
 )
-
-
-def env_name(key: str) -> str:
-    return ENV_PREFIX + key.upper()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,19 @@ class PluginConfig:
     curve_secret_key_file: Union[str, None] = None
     curve_public_key_file: Union[str, None] = None
     curve_authorized_keys: Union[str, None] = None  # directory of client *.key files; None: any client
+    # The rank cost (Motor's defaults; hot-spot guard off): must equal the adapter's kv_affinity.
+    w_npu: float = 1.0
+    w_cpu: float = 1.0
+    w_disk: float = 0.0
+    prefill_load_scale: float = 1.0
+    overlap_credit: float = 1.0
+    load_weight: float = 1.0
+    hotspot_spread: Union[float, None] = None
+    hotspot_relative: Union[float, None] = None
+    # The DP controller's one line per dispatch decision: at debug level by default (quiet in
+    # production), "info" to read it beside SGLang's own lines, "off"; every Nth decision only.
+    dispatch_log: DispatchLogName = "debug"
+    dispatch_log_every: int = 1
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -147,6 +165,10 @@ class PluginConfig:
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def cost(self) -> dict[str, Any]:
+        """The rank cost's settings (:data:`COST_KEYS`), as CacheAwareDispatcher's keywords."""
+        return {key: getattr(self, key) for key in COST_KEYS}
+
 
 # --------------------------------------------------------------------------- validation
 
@@ -171,11 +193,13 @@ def _from_env(key: str, raw: str) -> Any:
             return float(text)
         except ValueError:
             raise _bad(key, raw, "use a number of seconds, e.g. 1.0") from None
-    if key == "rank_queue_size":
+    if key in ("rank_queue_size", "dispatch_log_every"):
         try:
             return int(text)
         except ValueError:
-            raise _bad(key, raw, "use a positive integer, e.g. 10000") from None
+            raise _bad(key, raw, "use a positive integer, e.g. 100") from None
+    if key in COST_KEYS:
+        return cost_from_env(key, raw)
     return text
 
 
@@ -250,6 +274,12 @@ def _internal_channel(key: str, value: Any) -> None:
         raise _bad(key, value, "ranks connect to it: give the fan-in host's address, e.g. 'tcp://10.0.0.1:5600'")
 
 
+def _cost(key: str, value: Any) -> None:
+    fix = cost_problem(key, value)
+    if fix is not None:
+        raise _bad(key, value, fix)
+
+
 def _optional_path(key: str, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value):
         raise _bad(key, value, "use a file or directory path, or null")
@@ -277,6 +307,9 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "curve_secret_key_file": _optional_path,
     "curve_public_key_file": _optional_path,
     "curve_authorized_keys": _optional_path,
+    **{key: _cost for key in COST_KEYS},
+    "dispatch_log": _choice(get_args(DispatchLogName)),
+    "dispatch_log_every": _positive_int(1),
 }
 
 

@@ -1,5 +1,16 @@
 """``--registry etcd://HOST:PORT[,HOST:PORT...]/PREFIX``: registrations shared by adapter replicas.
 
+TLS and authentication are options of the spec (docs/operations.md)::
+
+    etcd://HOST:2379/PREFIX?tls_ca=/etc/etcd/ca.pem&tls_cert=/etc/etcd/client.pem&tls_key=/etc/etcd/client-key.pem
+    etcd://HOST:2379/PREFIX?tls=1&user=motor&password_file=/run/secrets/etcd-password
+
+``tls=1`` or any ``tls_*`` option speaks https (``tls_ca``: the CA that signed etcd's
+certificate, else the system's; ``tls_cert`` and ``tls_key`` together: this client's, for
+``--client-cert-auth``).  ``user`` authenticates with the password from ``password_file`` or
+the environment variable ``MOTOR_KV_ADAPTER_ETCD_PASSWORD`` - never from the spec, which is
+logged.
+
 Keys under ``PREFIX`` (default ``/motor-kv-adapter``)::
 
     PREFIX/registrations/<tenant>/<model>/<instance_id>/<dp_rank>   the /register body, NO lease
@@ -38,14 +49,15 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal, Union
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
-from motor_adapter.registry.etcd_gateway import EtcdError, EtcdGateway, KeyValue, WatchEvent
+from motor_adapter.registry.etcd_gateway import EtcdAuth, EtcdError, EtcdGateway, EtcdTls, KeyValue, WatchEvent
+from motor_adapter.registry.etcd_security import PASSWORD_ENV, SECURITY_OPTIONS, security_options
 from motor_adapter.registry.store import Change, Record, RegistryError, RegKey, StoreUnavailable, replica_id
 
-__all__ = ["DEFAULT_PREFIX", "EtcdStore"]
+__all__ = ["DEFAULT_PREFIX", "PASSWORD_ENV", "EtcdStore"]
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +83,22 @@ class EtcdStore:
         lease_ttl_s: int = 10,
         timeout_s: float = 1.0,
         connect_wait_s: float = 2.0,
+        tls: Union[EtcdTls, None] = None,
+        auth: Union[EtcdAuth, None] = None,
     ) -> None:
         self.endpoints = endpoints
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.connect_wait_s = connect_wait_s
         self.write_wait_s = timeout_s  # a /register answer waits at most this long for etcd, endpoints tried included
-        self.description = f"etcd://{','.join(e.split('://', 1)[1] for e in endpoints)}{prefix}"
+        self.tls = tls
+        self.user = auth.user if auth is not None else None
+        security = [w for w in ("tls" if tls else "", f"user {self.user}" if self.user else "") if w]
+        self.description = f"etcd://{','.join(e.split('://', 1)[1] for e in endpoints)}{prefix}" + (
+            f" ({', '.join(security)})" if security else ""
+        )
         self.replica = replica_id()
-        self._gw = EtcdGateway(endpoints, timeout_s=timeout_s)
+        self._gw = EtcdGateway(endpoints, timeout_s=timeout_s, tls=tls, auth=auth)
         self._reg_prefix = f"{prefix}/registrations/".encode()
         self._replica_key = f"{prefix}/replicas/{_quote(self.replica)}".encode()
         self._lease = 0
@@ -97,8 +116,8 @@ class EtcdStore:
         self._warned: set[bytes] = set()
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> EtcdStore:
-        """``etcd://h1:2379[,h2:2379]/prefix[?lease_ttl=10&timeout=1]``."""
+    def from_url(cls, url: str, env: Union[Mapping[str, str], None] = None, **options: Any) -> EtcdStore:
+        """``etcd://h1:2379[,h2:2379]/prefix[?lease_ttl=10&timeout=1&tls_ca=...&user=...]`` (module docstring)."""
         parts = urlsplit(url)
         hosts = [h.strip() for h in parts.netloc.split(",") if h.strip()]
         if not hosts or any(":" not in h or not h.rsplit(":", 1)[1].isdigit() for h in hosts):
@@ -111,9 +130,14 @@ class EtcdStore:
             "timeout": ("timeout_s", float),
             "connect_wait": ("connect_wait_s", float),
         }
+        security: dict[str, str] = {}
         for name, value in parse_qsl(parts.query, keep_blank_values=True):
+            if name in SECURITY_OPTIONS:
+                security[name] = value
+                continue
             if name not in known:
-                raise RegistryError(f"--registry {url!r}: unknown option {name!r} (known: {', '.join(sorted(known))})")
+                names = ", ".join(sorted([*known, *SECURITY_OPTIONS]))
+                raise RegistryError(f"--registry {url!r}: unknown option {name!r} (known: {names})")
             field, kind = known[name]
             try:
                 options[field] = kind(value)
@@ -121,7 +145,9 @@ class EtcdStore:
                 raise RegistryError(f"--registry {url!r}: {name} must be a number, got {value!r}") from exc
         if options.get("lease_ttl_s", 10) < 2:
             raise RegistryError(f"--registry {url!r}: lease_ttl must be at least 2 s")
-        return cls([f"http://{h}" for h in hosts], prefix, **options)
+        tls, auth = security_options(url, security, os.environ if env is None else env)
+        scheme = "https" if tls is not None else "http"
+        return cls([f"{scheme}://{h}" for h in hosts], prefix, tls=tls, auth=auth, **options)
 
     # ------------------------------------------------------------------ keys and values
 
@@ -228,6 +254,9 @@ class EtcdStore:
             "backend": "etcd",
             "durable": True,
             "endpoints": list(self.endpoints),
+            "tls": self.tls is not None,
+            "user": self.user,
+            "logins": self._gw.logins,
             "prefix": self.prefix,
             "replica": self.replica,
             "lease": self._lease,

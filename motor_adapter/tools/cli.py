@@ -82,7 +82,9 @@ def _check_config(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"{args.env_config}: cannot read a JSON env config: {exc}")
             return 1
-    findings = check_config(config, sglang_args=args.sglang_args, env_config=engine_env)
+    findings = check_config(
+        config, sglang_args=args.sglang_args, env_config=engine_env, adapter_config=args.adapter_config
+    )
     problems = [f for f in findings if f.severity == "problem"]
     for finding in findings:
         print(finding)
@@ -152,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--registry",
         default=None,
         help="where registrations outlive a restart: file:PATH (default: "
-        "$XDG_STATE_HOME/motor-kv-adapter/registrations-<port>.json), etcd://HOST:PORT/PREFIX (replicas), "
+        "$XDG_STATE_HOME/motor-kv-adapter/registrations-<port>.json), etcd://HOST:PORT/PREFIX (replicas; "
+        "TLS and auth: ?tls_ca=&tls_cert=&tls_key=&user=&password_file=, docs/operations.md), "
         "or memory (nothing survives); env MOTOR_KV_ADAPTER_REGISTRY",
     )
     serve.set_defaults(run=_serve)
@@ -172,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--env-config",
         default=None,
         help="Motor's env config (env.json: motor_engine_prefill_env, motor_coordinator_env)",
+    )
+    check.add_argument(
+        "--adapter-config",
+        default=None,
+        help="the adapter's serve --config JSON: its kv_affinity cost must equal the engine's plugin cost keys",
     )
     check.set_defaults(run=_check_config)
 

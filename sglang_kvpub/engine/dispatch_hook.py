@@ -22,7 +22,13 @@ from typing import Any
 
 import msgspec
 
-from sglang_kvpub.core.dispatch import REASON_ERROR, REASON_EXPLICIT, REASON_NO_TOKENS, CacheAwareDispatcher
+from sglang_kvpub.core.dispatch import (
+    REASON_ERROR,
+    REASON_EXPLICIT,
+    REASON_NO_TOKENS,
+    CacheAwareDispatcher,
+    DispatchDecision,
+)
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.engine import guard
 from sglang_kvpub.wire import BatchDecoder, EventBatch, WireError
@@ -30,6 +36,8 @@ from sglang_kvpub.wire import BatchDecoder, EventBatch, WireError
 __all__ = [
     "DISPATCH_TARGETS",
     "CONTROLLER_ATTR",
+    "LOG_ATTR",
+    "DecisionLog",
     "install_dispatch_hook",
     "attach_dispatcher",
     "feed_from_fanin",
@@ -45,6 +53,7 @@ DISPATCH_TARGETS = (
     f"{_DPC}.total_tokens_scheduler",
 )
 CONTROLLER_ATTR = "kvpub_dispatcher"
+LOG_ATTR = "kvpub_dispatch_log"
 SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
 
 
@@ -93,6 +102,37 @@ def feed_from_fanin(fanin: Any, dispatcher: CacheAwareDispatcher) -> str:
     return "observer"
 
 
+# --------------------------------------------------------------------------- decision log
+
+
+class DecisionLog:
+    """The controller's one line per decision (``DispatchDecision.log_line``), switched by the
+    plugin keys ``dispatch_log`` (``debug``, the default: silent at SGLang's usual info level;
+    ``info``; ``off``) and ``dispatch_log_every`` (every Nth decision).  Costs one counter and
+    one level check per request when quiet."""
+
+    _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO}
+
+    def __init__(self, level: str = "debug", every: int = 1) -> None:
+        if level not in (*self._LEVELS, "off"):
+            raise ValueError(f"dispatch_log {level!r}: use debug, info or off")
+        if every < 1:
+            raise ValueError(f"dispatch_log_every {every!r}: use an integer >= 1")
+        self.level = self._LEVELS.get(level)
+        self.every = every
+        self.decisions = 0
+
+    def __call__(self, decision: DispatchDecision, rid: Any) -> None:
+        if self.level is None:
+            return
+        self.decisions += 1
+        if (self.every == 1 or self.decisions % self.every == 1) and log.isEnabledFor(self.level):
+            log.log(self.level, "%s rid=%s", decision.log_line(), rid)
+
+
+_DEFAULT_LOG = DecisionLog()
+
+
 # --------------------------------------------------------------------------- SGLang edge
 
 _installed = False
@@ -123,18 +163,41 @@ def install_dispatch_hook(registry: Any = None, hook_type: Any = None, *, apply:
     return list(DISPATCH_TARGETS)
 
 
-def attach_dispatcher(controller: Any, *, block_size: int, fanin: Any = None, **options: Any) -> CacheAwareDispatcher:
+def attach_dispatcher(
+    controller: Any,
+    *,
+    block_size: int,
+    fanin: Any = None,
+    decision_log: DecisionLog | None = None,
+    **options: Any,
+) -> CacheAwareDispatcher:
     """Gives a constructed controller its dispatcher (``options``: CacheAwareDispatcher's
-    keywords) and, with ``fanin``, feeds it every rank batch.  Call after
-    ``DataParallelController.__init__`` returned, before its event loop."""
+    keywords, the plugin's cost keys among them) and, with ``fanin``, feeds it every rank
+    batch.  Call after ``DataParallelController.__init__`` returned, before its event loop."""
     dp_size = max(len(getattr(controller, "workers", ()) or ()), 1)
     dispatcher = CacheAwareDispatcher(dp_size, block_size, **options)
+    setattr(controller, LOG_ATTR, decision_log or _DEFAULT_LOG)
     if fanin is not None:
         how = feed_from_fanin(fanin, dispatcher)
     else:
         how = "none (no fan-in in this controller: no cache hits, load only)"
     setattr(controller, CONTROLLER_ATTR, dispatcher)
-    log.info("sglang_kvpub: cache-aware DP dispatch over %d ranks, block_size %d, feed %s", dp_size, block_size, how)
+    p = dispatcher.params
+    log.info(
+        "sglang_kvpub: cache-aware DP dispatch over %d ranks, block_size %d, feed %s; cost w_npu=%g w_cpu=%g "
+        "w_disk=%g prefill_load_scale=%g overlap_credit=%g load_weight=%g hotspot_spread=%s hotspot_relative=%s",
+        dp_size,
+        block_size,
+        how,
+        p.w_npu,
+        p.w_cpu,
+        p.w_disk,
+        p.prefill_load_scale,
+        p.overlap_credit,
+        p.load_weight,
+        p.hotspot_spread,
+        p.hotspot_relative,
+    )
     return dispatcher
 
 
@@ -182,8 +245,8 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
     loads, budget = _controller_loads(controller, dispatcher)
     candidates = [r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None]
     decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
-    if log.isEnabledFor(logging.INFO):  # one line per request, in the controller process (not a scheduler)
-        log.info("%s rid=%s", decision.log_line(), getattr(req, "rid", None))
+    # one line per request, in the controller process (not a scheduler), as the plugin config says
+    getattr(controller, LOG_ATTR, _DEFAULT_LOG)(decision, getattr(req, "rid", None))
     rank = decision.rank
     if rank is not None:
         committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched

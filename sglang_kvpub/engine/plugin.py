@@ -469,7 +469,8 @@ def _attach_dispatch(controller: Any, server_args: Any, topology: Any, fanin: An
         return
     kv_events_config = getattr(server_args, "kv_events_config", None)
     try:
-        if PluginConfig.from_kv_events_json(kv_events_config or "").dp_dispatch != "cache_aware":
+        config = PluginConfig.from_kv_events_json(kv_events_config or "")
+        if config.dp_dispatch != "cache_aware":
             log.info('sglang_kvpub: dp_dispatch "default": SGLang\'s --load-balance-method dispatches')
             return
         # What this controller really runs decides (the launcher may not have switched it).
@@ -484,9 +485,15 @@ def _attach_dispatch(controller: Any, server_args: Any, topology: Any, fanin: An
         if not plan.on:
             log.info("sglang_kvpub: %s", plan.line())
             return
-        from sglang_kvpub.engine.dispatch_hook import attach_dispatcher
+        from sglang_kvpub.engine.dispatch_hook import DecisionLog, attach_dispatcher
 
-        attach_dispatcher(controller, block_size=topology.block_size, fanin=fanin)
+        attach_dispatcher(
+            controller,
+            block_size=topology.block_size,
+            fanin=fanin,
+            decision_log=DecisionLog(config.dispatch_log, config.dispatch_log_every),
+            **config.cost(),
+        )
         log.info("sglang_kvpub: %s", plan.line())
     except Exception as exc:
         guard.fail(guard.DISPATCH, exc)

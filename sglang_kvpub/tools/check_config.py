@@ -6,7 +6,10 @@ does at start, then reports the radix tree core SGLang will pick for ``--device`
 ``BlockRemoved`` on release, reconciliation and dispatch (docs/hbm-release.md, "Tree
 cores"), and whether cache-aware DP dispatch is on for ``--disaggregation-mode`` and
 ``--load-balance-method`` (off for an explicit ``follow_bootstrap_room``; docs/dispatch.md).
-Exit 0: valid (limits are reported, not errors); 2: a configuration error.
+With ``--adapter-config`` it also compares the dispatcher's rank cost (the plugin's cost keys)
+with the Motor adapter's ``kv_affinity``: they must be equal (docs/dispatch.md).
+Exit 0: valid (limits are reported, not errors); 1: the cost differs from the adapter's;
+2: a configuration error.
 Needs neither SGLang nor torch.
 """
 
@@ -16,6 +19,7 @@ import argparse
 import json
 
 from sglang_kvpub.config import ConfigError
+from sglang_kvpub.core import cost_settings
 from sglang_kvpub.core.load_balance import plan_dispatch
 from sglang_kvpub.engine import tree_cores
 
@@ -37,6 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--disaggregation-mode", default="null", help="SGLang's --disaggregation-mode (null, prefill, decode)"
     )
     parser.add_argument("--load-balance-method", default="auto", help="SGLang's --load-balance-method (default auto)")
+    parser.add_argument(
+        "--adapter-config",
+        default=None,
+        help="the Motor adapter's serve --config JSON: its kv_affinity cost must equal the plugin's cost keys",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 
@@ -49,6 +58,7 @@ def report(
     nnodes: int = 1,
     disaggregation_mode: str = "null",
     load_balance_method: str = "auto",
+    adapter_config: str | None = None,
 ) -> dict[str, object]:
     """The validated settings, whether dispatch is on (core/load_balance.py) and the tree
     core's guarantees; raises ConfigError."""
@@ -62,14 +72,38 @@ def report(
         disaggregation_mode=disaggregation_mode,
         num_dp_ranks=dp_size,
     )
-    return {
+    result: dict[str, object] = {
         "valid": True,
         "endpoint": config.endpoint,
         "replay_endpoint": config.replay_endpoint,
         "dp_dispatch": config.dp_dispatch,
         "dispatch": plan.as_dict(),
         "tree_core": tree_cores.describe(core),
+        "cost": config.cost(),
     }
+    if adapter_config is not None:
+        result["cost_mismatches"] = _cost_mismatches(kv_events_config, adapter_config)
+    return result
+
+
+def _cost_mismatches(kv_events_config: str, adapter_config: str) -> list[str]:
+    """The cost keys on which the plugin (this JSON plus SGLANG_KVPUB_*) and the adapter differ."""
+    import os
+
+    data = json.loads(kv_events_config) if kv_events_config.strip() else {}
+    engine, where = cost_settings.engine_cost(data, os.environ)
+    fix = "pass the JSON given to motor-kv-adapter serve --config"
+    try:
+        with open(adapter_config, encoding="utf-8") as handle:
+            raw = json.load(handle)
+        adapter = cost_settings.adapter_cost_from_json(raw) if isinstance(raw, dict) else None
+    except (OSError, ValueError) as exc:
+        return [str(cost_settings.Mismatch("--adapter-config", f"{adapter_config}: cannot be read: {exc}", fix))]
+    if adapter is None:
+        why = f"{adapter_config} takes its weights from motor_config, not a kv_affinity object"
+        fix = "compare with motor-kv-adapter check-config USER_CONFIG --env-config ENV --adapter-config THIS_FILE"
+        return [str(cost_settings.Mismatch("--adapter-config", why, fix))]
+    return [str(m) for m in cost_settings.compare(engine, where, adapter, adapter_config)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,13 +115,16 @@ def run(args: argparse.Namespace) -> int:
             nnodes=args.nnodes,
             disaggregation_mode=args.disaggregation_mode,
             load_balance_method=args.load_balance_method,
+            adapter_config=args.adapter_config,
         )
     except ConfigError as exc:
         print(f"invalid: {exc}")
         return 2
+    mismatches = result.get("cost_mismatches") or []
+    assert isinstance(mismatches, list)
     if args.json:
         print(json.dumps(result, indent=1))
-        return 0
+        return 1 if mismatches else 0
     core = result["tree_core"]
     assert isinstance(core, dict)
     print(f"valid: instance PUB {result['endpoint']}, replay {result['replay_endpoint']}")
@@ -104,4 +141,14 @@ def run(args: argparse.Namespace) -> int:
     line = tree_cores.limit_line(core["core"], f"--device {args.device}")
     if line is not None:
         print(line)
+    cost = result["cost"]
+    assert isinstance(cost, dict)
+    print("rank cost: " + " ".join(f"{k}={v}" for k, v in cost.items()))
+    for mismatch in mismatches:
+        print(mismatch)
+    if mismatches:
+        print(f"the dispatcher's cost differs from the adapter's ({args.adapter_config}): {len(mismatches)} key(s)")
+        return 1
+    if args.adapter_config is not None:
+        print(f"rank cost: the same as the adapter's ({args.adapter_config})")
     return 0
