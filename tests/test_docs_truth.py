@@ -229,11 +229,12 @@ def metric_findings(exposition: str) -> list[str]:
 
 
 def _table_keys(text: str, heading: str) -> list[str]:
-    """The first column's backticked names of the first table under ``heading``."""
+    """The first column's backticked names (one or several per row) of the first table under ``heading``."""
     section = re.search(rf"^#+ {re.escape(heading)}\n(.*?)(?=^#+ |\Z)", text, re.S | re.M)
     if section is None:
         return []
-    return re.findall(r"^\| `([a-z_][a-z0-9_.]*)` \|", section.group(1), re.M)
+    cells = re.findall(r"^\| ((?:`[a-z_][a-z0-9_.]*`(?:, )?)+) \|", section.group(1), re.M)
+    return [name for cell in cells for name in re.findall(r"`([a-z_][a-z0-9_.]*)`", cell)]
 
 
 def config_findings() -> list[str]:
