@@ -384,3 +384,48 @@ def test_folded_view_in_both_encodings_carries_no_rank_extras(
         assert positional.refused == sum(1 for _, p in inst.folded.messages if msgspec.msgpack.decode(p)[1])
     # the instance stream with per-rank order: a strict 3-element reader refuses its rank batches
     assert one_worker(inst.main.messages).refused > 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HAVE_DYNAMO, reason="NVIDIA Dynamo's indexer (ai-dynamo-runtime 1.6.1) is not installed")
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_dynamo_indexer_on_the_folded_view_as_one_worker_agrees_with_the_truth(
+    make_instance: Callable[..., Instance], tmp_path: Path, encoding: str
+) -> None:
+    from interop_procs import DynamoIndexer
+
+    inst = make_instance(encoding, True)
+    worker = 7
+    # one worker, no rank: the folded view's batches all say dp_rank 0
+    indexer = DynamoIndexer(free_tcp_port(), BS, tmp_path / "indexer.log", f"{worker}={inst.config.folded_endpoint}")
+    try:
+        indexer.wait_healthy()
+        probe = 0
+        while True:  # PUB/SUB drops what precedes the subscription: wait until a probe scores
+            tokens = [800_000 + probe * BS + i for i in range(BS)]
+            inst.publish(0, store(tokens, 0, 1))
+            inst.settle()
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not indexer.scores(tokens):
+                time.sleep(0.02)  # polling another process's state
+            if indexer.scores(tokens):
+                break
+            probe += 1
+            assert probe < 40, indexer.log()[-2000:]
+        report = []
+        for name, phase in PHASES:
+            phase(inst)
+            inst.settle()
+            want = truth(inst.main.messages)
+            expected = {p: ({str(worker): {"0": n * BS}} if n else {}) for p, n in want.items()}
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                got = {p: indexer.scores(tokens) for p, tokens in PROMPTS.items()}
+                if got == expected or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)  # the indexer applies events asynchronously
+            report.append({"phase": name, "truth": want, "dynamo": got})
+            assert got == expected, (report, indexer.log()[-3000:])
+        print(report)
+    finally:
+        indexer.close()

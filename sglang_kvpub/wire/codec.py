@@ -527,9 +527,8 @@ def _event_as_array(event: Event) -> list[Any]:
             event.medium,
             event.lora_name,
         ]
-    if type(event) is BlockRemoved:  # the reason trails only when known: older readers skip it
-        removed = ["BlockRemoved", event.block_hashes, event.medium]
-        return removed if event.reason is None else [*removed, event.reason]
+    if type(event) is BlockRemoved:  # no reason: positional readers take a trailing string for another field
+        return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]
 
 
