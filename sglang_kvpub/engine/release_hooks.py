@@ -38,7 +38,8 @@ from typing import Any
 
 from sglang_kvpub.core.release_tracker import Tracker, medium_of
 from sglang_kvpub.engine import guard
-from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
+from sglang_kvpub.engine.removal_reasons import give_reasons, reasoned_removal
+from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, REASON_OTHER
 
 __all__ = [
     "RECORDER_CLASS",
@@ -168,6 +169,8 @@ def emit_removed(recorder: Any, tracker: Tracker, hashes: list[int], medium: str
     module = _event_classes(recorder)
     tracker.absorb(recorder._queue)
     event = module.BlockRemoved(block_hashes=list(hashes), medium=_sglang_medium(module, medium))
+    if cause.startswith("reconcile"):  # a repair: the engine freed it unannounced, why is not known
+        event = reasoned_removal(event, REASON_OTHER)
     KVCacheEventRecorderEnqueue(recorder, event)
     tracker.skip_to_end(recorder._queue)
     announced = tracker.announced.setdefault(medium, {})
@@ -491,6 +494,11 @@ def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs
         guard.fail(_OFF, exc)
         return original(recorder, *args, **kwargs)
     events = original(recorder, *args, **kwargs)
+    try:
+        if events and type(events) is list and guard.REASONS not in guard._disabled:
+            give_reasons(events, tracker.announced)
+    except Exception as exc:
+        guard.fail(guard.REASONS, exc)
     try:
         # Follow the fresh queue now: holding the drained list would delay freeing the
         # taken batch into whatever absorbs next (an idle reconciliation slice).
