@@ -231,8 +231,22 @@ class AdapterMetrics:
                         dp_rank="all" if rank is None else rank,
                     )
             extra.append(gauge)
+        extra.append(_removed_series(health))
         extra += _rank_series(loads)
         return self.registry.render(extra)
+
+
+def _removed_series(health: Mapping[tuple[str, str, int, str], list[Any]]) -> metrics.Gauge:
+    """Blocks removed per instance, engine rank and reason, as the streams counted them."""
+    removed = metrics.Gauge(
+        "motor_kv_adapter_removed_blocks_total", "Blocks removed per instance, engine rank and BlockRemoved.reason"
+    )
+    removed.kind = "counter"
+    for key, healths in health.items():
+        for h in healths:
+            for (rank, reason), count in (getattr(h, "removed", None) or {}).items():
+                removed.set(float(count), model=key[0], instance=h.instance_id, engine_dp_rank=rank, reason=reason)
+    return removed
 
 
 def _rank_series(loads: Sequence[tuple[str, InstanceLoads]]) -> list[metrics.Gauge]:

@@ -113,6 +113,8 @@ class StreamHealth:
     # empty ones included); None: not known (plain engine stream, or no snapshot yet).
     dp_size: int | None = None
     load_reports: int = 0  # rank-load messages received live (wire.LoadReport)
+    # Blocks removed per (engine dp_rank, wire.reason_label(BlockRemoved.reason)).
+    removed: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
 
 
 _COUNTERS = (
@@ -226,7 +228,7 @@ class StreamSubscriber:
         self._backoff = self.options.backoff_min_s
         self._next_reconnect: float | None = None
         # counters (read by health())
-        zero = dict.fromkeys(_COUNTERS, 0)
+        zero: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)
         self._c = StreamHealth(
             instance_id, endpoint, dp_rank_override, False, None, None, last_event_age_s=None, **zero
         )
@@ -292,6 +294,7 @@ class StreamSubscriber:
     def _health_locked(self) -> StreamHealth:
         now = time.monotonic()
         health = dataclasses.replace(self._c)
+        health.removed = dict(self._c.removed)
         health.connected = self._connected(now)
         last = self._last
         if last is not None:  # "start of epoch - 1" means nothing of the epoch applied yet
@@ -594,6 +597,12 @@ class StreamSubscriber:
             log.debug("apply_batch failed", exc_info=True)
             return
         self._c.dropped_block_size += int(getattr(result, "ignored_block_size", 0) or 0)
+        rank = batch.dp_rank if self.dp_rank_override is None else self.dp_rank_override
+        removed = self._c.removed
+        for event in batch.events:
+            if type(event) is wire.BlockRemoved:
+                key = (rank if rank is not None else 0, wire.reason_label(event.reason))
+                removed[key] = removed.get(key, 0) + len(event.block_hashes)
 
     def _clear_scope(self) -> None:
         if self.dp_rank_override is None:

@@ -136,3 +136,57 @@ def test_the_project_decoder_before_the_field_reads_reasoned_batches(tmp_path: P
     assert done.returncode == 0, done.stderr
     expected = [["BlockStored", [13]], ["BlockRemoved", [11, 12]]]
     assert json.loads(done.stdout) == [expected, expected, expected]
+
+
+def test_the_adapter_counts_removed_blocks_by_rank_and_reason() -> None:
+    """A real fan-in (sidecar path) on loopback, the adapter's stream subscriber, its metrics."""
+    import time
+
+    import zmq
+    from conftest import free_tcp_port
+
+    from motor_adapter.adapter_metrics import AdapterMetrics
+    from motor_adapter.stream import StreamSubscriber
+    from sglang_kvpub.config import PluginConfig
+    from sglang_kvpub.core.index import PrefixIndex
+    from sglang_kvpub.publish.fanin import FanIn
+
+    config = PluginConfig(
+        endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
+        bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
+        heartbeat_s=0.1,
+        load_report_s=0,
+    )
+    fanin = FanIn(config, 2, listen_channel=False)
+    fanin.start()
+    ctx: zmq.Context[Any] = zmq.Context()
+    index = PrefixIndex(4)
+    sub = StreamSubscriber("inst", config.endpoint, index, replay_endpoint=config.replay_endpoint, context=ctx)
+    sub.start()
+    seqs = {0: 0, 1: 0}
+
+    def send(rank: int, *events: wire.Event) -> None:
+        fanin.ingest(rank, 5, seqs[rank], wire.EventBatch(ts=time.time(), events=list(events)))
+        seqs[rank] += 1
+
+    def stored(hashes: list[int]) -> wire.BlockStored:
+        return wire.BlockStored(hashes, None, list(range(4 * len(hashes))), 4, None, wire.MEDIUM_GPU)
+
+    try:
+        assert sub.wait_for(lambda h: h.snapshots >= 1 or h.batches > 0, 20)
+        send(0, stored([1, 2, 3]))
+        send(1, stored([11, 12]))
+        send(0, wire.BlockRemoved([3, 2], wire.MEDIUM_GPU, wire.REASON_CAPACITY))
+        send(1, wire.BlockRemoved([12], wire.MEDIUM_GPU, wire.REASON_DEMOTED))
+        send(1, wire.BlockRemoved([11], wire.MEDIUM_GPU))  # no reason given
+        want = {(0, wire.REASON_CAPACITY): 2, (1, wire.REASON_DEMOTED): 1, (1, wire.REASON_UNKNOWN): 1}
+        assert sub.wait_for(lambda h: h.removed == want, 20), sub.health()
+        text = AdapterMetrics().render({("m", "default", 4, config.endpoint): [sub.health()]}, [])
+        labels = 'engine_dp_rank="0",instance="inst",model="m",reason="capacity_eviction"'
+        line = "motor_kv_adapter_removed_blocks_total{" + labels + "} 2"
+        assert line in text, text
+    finally:
+        sub.stop()
+        fanin.stop()
+        ctx.term()
