@@ -103,7 +103,7 @@ class PluginConfig:
     folded_endpoint: Union[str, None] = None
     folded_replay_endpoint: Union[str, None] = None
     folded_event_encoding: Union[EncodingName, None] = None  # None: as event_encoding
-    rank_order: bool = True  # each rank batch carries its rank's (epoch, seq): wire.RankOrder
+    rank_order: bool = False  # each rank batch carries its rank's (epoch, seq): wire.RankOrder (opt-in)
     # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
     curve_secret_key_file: Union[str, None] = None
     curve_public_key_file: Union[str, None] = None

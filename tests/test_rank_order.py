@@ -44,6 +44,7 @@ class Rig:
             replay_endpoint=f"tcp://127.0.0.1:{free_tcp_port()}",
             heartbeat_s=3600.0,  # only the start's heartbeat: the test counts every message
             load_report_s=0,
+            rank_order=True,
         )
         self.fanin = FanIn(self.config, 2, listen_channel=False)
         self.fanin.start()

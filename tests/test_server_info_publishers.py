@@ -27,7 +27,7 @@ def test_publishers_name_each_view_with_a_dialable_endpoint() -> None:
         "view": "instance",
         "fanned_in": True,
         "event_encoding": "map",
-        "rank_order": True,
+        "rank_order": False,
         "topic": "",
     }
     assert folded["dp_rank"] == 0 and folded["view"] == "folded" and folded["fanned_in"] is True
@@ -43,6 +43,6 @@ def test_folded_config_is_checked_at_start() -> None:
         PluginConfig(folded_replay_endpoint="tcp://*:5601")
     with pytest.raises(ConfigError, match="folded_event_encoding"):
         PluginConfig(folded_endpoint="tcp://*:5600", folded_event_encoding="tuple")  # type: ignore[arg-type]
-    env = {"SGLANG_KVPUB_FOLDED_ENDPOINT": "tcp://*:5600", "SGLANG_KVPUB_RANK_ORDER": "false"}
+    env = {"SGLANG_KVPUB_FOLDED_ENDPOINT": "tcp://*:5600", "SGLANG_KVPUB_RANK_ORDER": "true"}
     config = PluginConfig.from_kv_events_json("{}", env)
-    assert (config.folded_endpoint, config.rank_order) == ("tcp://*:5600", False)
+    assert (config.folded_endpoint, config.rank_order) == ("tcp://*:5600", True)
