@@ -190,3 +190,38 @@ def test_the_adapter_counts_removed_blocks_by_rank_and_reason() -> None:
         sub.stop()
         fanin.stop()
         ctx.term()
+
+
+def test_the_rust_cores_recorder_gets_reasons_from_its_own_events() -> None:
+    """The Rust core's recorder never passes through ``KVCacheEventRecorder.take``: its own
+    hook follows the host copies in the events it hands out (the recorder stands in for
+    ``_RustKVCacheEventRecorder``, whose module needs the server's shims to import)."""
+    from sglang_kvpub.engine.removal_reasons import rust_take_hook
+
+    module = _kv_events()
+    gpu, cpu = module.StorageMedium.GPU, module.StorageMedium.CPU
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.queue: list[Any] = []
+
+        def take(self) -> list[Any]:
+            taken, self.queue = self.queue, []
+            return taken
+
+    recorder = Recorder()
+    recorder.queue = [
+        module.BlockStored(
+            block_hashes=[5], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4, lora_id=None, medium=cpu
+        ),
+        module.BlockRemoved(block_hashes=[5], medium=gpu),
+        module.BlockRemoved(block_hashes=[6], medium=gpu),
+    ]
+    first = rust_take_hook(Recorder.take, recorder)
+    recorder.queue = [
+        module.BlockRemoved(block_hashes=[5], medium=cpu),
+        module.BlockRemoved(block_hashes=[5], medium=gpu),
+    ]
+    second = rust_take_hook(Recorder.take, recorder)
+    reasons = [getattr(e, "reason", None) for e in first + second]
+    assert reasons == [None, wire.REASON_DEMOTED, wire.REASON_CAPACITY, wire.REASON_HOST_EVICTED, wire.REASON_CAPACITY]

@@ -38,7 +38,7 @@ from typing import Any
 
 from sglang_kvpub.core.release_tracker import Tracker, medium_of
 from sglang_kvpub.engine import guard
-from sglang_kvpub.engine.removal_reasons import give_reasons, reasoned_removal
+from sglang_kvpub.engine.removal_reasons import RUST_RECORDER_CLASS, give_reasons, reasoned_removal, rust_take_hook
 from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, REASON_OTHER
 
 __all__ = [
@@ -523,7 +523,10 @@ _COMPONENT_OUTER_HOOK = _make_outer_hook(unified=True, component=True)
 
 def hook_targets() -> list[tuple[str, Callable[..., Any]]]:
     """Every (dotted target, AROUND hook) the release hooks install."""
-    targets: list[tuple[str, Callable[..., Any]]] = [(f"{RECORDER_CLASS}.take", _take_hook)]
+    targets: list[tuple[str, Callable[..., Any]]] = [
+        (f"{RECORDER_CLASS}.take", _take_hook),
+        (f"{RUST_RECORDER_CLASS}.take", rust_take_hook),
+    ]
     for cls, methods in _TOUCH.items():
         targets.extend((f"{cls}.{method}", _touch_hook) for method in methods)
     for cls, methods in _OUTER.items():
@@ -553,7 +556,8 @@ def install_release_hooks(registry: Any | None = None, *, classes: Iterable[str]
     with _install_lock:
         for target, hook in hook_targets():
             owner, method = target.rsplit(".", 1)
-            if wanted is not None and _class_of_target(owner) not in wanted and owner != RECORDER_CLASS:
+            recorder = owner in (RECORDER_CLASS, RUST_RECORDER_CLASS)
+            if wanted is not None and _class_of_target(owner) not in wanted and not recorder:
                 continue
             if target in _installed or not _exists(owner, method):
                 continue

@@ -10,6 +10,10 @@ given one, from what the rank's announced state says at that moment:
 - ``GPU`` otherwise: ``capacity_eviction`` (the radix cache frees pages only to make room);
 - any other medium: ``other``.
 
+The Rust tree core's recorder (``_RustKVCacheEventRecorder``: its events never pass through
+``KVCacheEventRecorder.take``) gets the same rule from its own hook, :func:`rust_take_hook`,
+which follows the host copies announced in the events it hands out.
+
 Removals the plugin makes itself carry theirs from the start (a reconciliation repair:
 ``other``).  A clear stays ``AllBlocksCleared`` (the folded view turns a rank's clear into
 removals with reason ``cleared``).  The reasoned event is a subclass of SGLang's own struct
@@ -21,9 +25,11 @@ one struct per removal event (a few per step), on the path that already absorbs 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any, Union
 
 from sglang_kvpub.core.release_tracker import medium_of
+from sglang_kvpub.engine import guard
 from sglang_kvpub.wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -33,7 +39,9 @@ from sglang_kvpub.wire import (
     REASON_OTHER,
 )
 
-__all__ = ["reasoned_removal", "give_reasons"]
+__all__ = ["RUST_RECORDER_CLASS", "reasoned_removal", "give_reasons", "rust_take_hook"]
+
+RUST_RECORDER_CLASS = "sglang.srt.mem_cache.rust_tree_core.adapter._RustKVCacheEventRecorder"
 
 _CLASSES: dict[int, type] = {}  # id(SGLang's BlockRemoved) -> its reasoned subclass
 
@@ -77,3 +85,28 @@ def give_reasons(events: list[Any], announced: dict[str, dict[int, Any]]) -> int
         events[index] = reasoned_removal(event, reason)
         given += 1
     return given
+
+
+def rust_take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_RustKVCacheEventRecorder.take``: the taken events with their reasons.  The
+    host copies are followed from the events themselves (one dict per recorder)."""
+    events = original(recorder, *args, **kwargs)
+    if not events or type(events) is not list or guard.REASONS in guard._disabled:
+        return events
+    try:
+        host: dict[int, None] | None = getattr(recorder, "_kvpub_host", None)
+        if host is None:
+            host = recorder._kvpub_host = {}
+        for event in events:
+            name = type(event).__name__
+            if name == "AllBlocksCleared":
+                host.clear()
+            elif name == "BlockStored" and medium_of(event.medium) == MEDIUM_CPU:
+                host.update(dict.fromkeys(event.block_hashes))
+            elif name == "BlockRemoved" and medium_of(event.medium) == MEDIUM_CPU:
+                for block_hash in event.block_hashes:
+                    host.pop(block_hash, None)
+        give_reasons(events, {MEDIUM_CPU: host})  # as of the end of the taken list, as at take
+    except Exception as exc:  # reasons are an extra: the events go out whatever happens here
+        guard.fail(guard.REASONS, exc)
+    return events
