@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import zmq
-from motor_positional import OneWorker
+from motor_positional import OneWorker, replay_three_frames
 
 from sglang_kvpub import wire
 
@@ -255,9 +255,30 @@ def _run_phases(made: PluginRig, main: RawRecorder, view: RawRecorder, indexer: 
     assert report[0]["truth"]["a"] > 4 and report[0]["truth"]["b"] > 4
     assert report[1]["truth"]["b"] > 0, "rank 1 kept its prefix"  # the truth the control misses
     assert report[1]["instance_stream_one_worker"] != report[1]["truth"], report[1]
+    # a reader of rank 0 only: rank 1's prompt is invisible on the instance stream, whole on the view
+    rank0 = OneWorker(PAGE)
+    for _, payload in main.messages():
+        batch = wire.BatchDecoder().decode(payload)
+        if batch.dp_rank == 0:
+            for event in batch.events:
+                _apply(rank0, event)
+    on_rank0 = [m for m in view.messages() if wire.BatchDecoder().decode(m[1]).dp_rank in (0, None)]
+    rank0_after = one_worker(on_rank0, positional=True)
+    print({"rank0_only_before": answers(rank0), "rank0_only_after": answers(rank0_after), "truth": want})
+    assert answers(rank0)["b"] < want["b"] and answers(rank0_after) == want
+    # Motor's replay of the view from seq 0: three-frame replies, a snapshot, the same answers
+    replay = made.server.server_info()["kv_events"]["publishers"][1]["replay_endpoint"]
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        replied = replay_three_frames(context, replay, 0)
+    finally:
+        context.term()
+    replayed = one_worker(replied, positional=True)
+    assert replayed.refused == 0 and answers(replayed) == want
     removed = _removed_metric(made)
     print({"removed_blocks_by_rank_and_reason": removed})
-    assert any(rank == "0" for rank, _ in removed), removed
+    assert removed.get(("0", wire.REASON_CAPACITY), 0) > 0, removed
+    assert all(reason != wire.REASON_UNKNOWN for _, reason in removed), removed
 
 
 def _removed_metric(made: PluginRig) -> dict[tuple[str, str], float]:
