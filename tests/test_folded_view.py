@@ -386,32 +386,42 @@ def test_folded_view_in_both_encodings_carries_no_rank_extras(
     assert one_worker(inst.main.messages).refused > 0
 
 
-@pytest.mark.timeout(180)
+def _best_blocks(scores: dict[str, dict[str, int]]) -> int:
+    """The longest hit (blocks) over every worker's ranks in a Dynamo answer."""
+    return max((tokens // BS for ranks in scores.values() for tokens in ranks.values()), default=0)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(not HAVE_DYNAMO, reason="NVIDIA Dynamo's indexer (ai-dynamo-runtime 1.6.1) is not installed")
 @pytest.mark.parametrize("encoding", ["map", "array"])
 def test_dynamo_indexer_on_the_folded_view_as_one_worker_agrees_with_the_truth(
     make_instance: Callable[..., Instance], tmp_path: Path, encoding: str
 ) -> None:
+    """Dynamo registered once on the folded view: one worker, rank 0, the truth's answers.
+    Beside it, Dynamo registered once on the instance stream: it keys by each batch's
+    dp_rank, so it is right per rank (the best of its ranks is the truth) - a consumer that
+    knows dp_rank needs no folded view."""
     from interop_procs import DynamoIndexer
 
-    inst = make_instance(encoding, True)
-    worker = 7
-    # one worker, no rank: the folded view's batches all say dp_rank 0
-    indexer = DynamoIndexer(free_tcp_port(), BS, tmp_path / "indexer.log", f"{worker}={inst.config.folded_endpoint}")
+    inst = make_instance(encoding, False)
+    worker, control = 7, 8
+    specs = {"folded": f"{worker}={inst.config.folded_endpoint}", "instance": f"{control}={inst.config.endpoint}"}
+    indexers = {name: DynamoIndexer(free_tcp_port(), BS, tmp_path / f"{name}.log", s) for name, s in specs.items()}
     try:
-        indexer.wait_healthy()
+        for indexer in indexers.values():
+            indexer.wait_healthy()
         probe = 0
         while True:  # PUB/SUB drops what precedes the subscription: wait until a probe scores
             tokens = [800_000 + probe * BS + i for i in range(BS)]
             inst.publish(0, store(tokens, 0, 1))
             inst.settle()
             deadline = time.monotonic() + 1.0
-            while time.monotonic() < deadline and not indexer.scores(tokens):
+            while time.monotonic() < deadline and not all(i.scores(tokens) for i in indexers.values()):
                 time.sleep(0.02)  # polling another process's state
-            if indexer.scores(tokens):
+            if all(i.scores(tokens) for i in indexers.values()):
                 break
             probe += 1
-            assert probe < 40, indexer.log()[-2000:]
+            assert probe < 40, [i.log()[-2000:] for i in indexers.values()]
         report = []
         for name, phase in PHASES:
             phase(inst)
@@ -420,12 +430,17 @@ def test_dynamo_indexer_on_the_folded_view_as_one_worker_agrees_with_the_truth(
             expected = {p: ({str(worker): {"0": n * BS}} if n else {}) for p, n in want.items()}
             deadline = time.monotonic() + DEADLINE_S
             while True:
-                got = {p: indexer.scores(tokens) for p, tokens in PROMPTS.items()}
-                if got == expected or time.monotonic() > deadline:
+                got = {p: indexers["folded"].scores(tokens) for p, tokens in PROMPTS.items()}
+                per_rank = {p: indexers["instance"].scores(tokens) for p, tokens in PROMPTS.items()}
+                best = {p: _best_blocks(scores) for p, scores in per_rank.items()}
+                if (got == expected and best == want) or time.monotonic() > deadline:
                     break
-                time.sleep(0.05)  # the indexer applies events asynchronously
-            report.append({"phase": name, "truth": want, "dynamo": got})
-            assert got == expected, (report, indexer.log()[-3000:])
+                time.sleep(0.05)  # the indexers apply events asynchronously
+            report.append({"phase": name, "truth": want, "dynamo_folded": got, "dynamo_instance_per_rank": per_rank})
+            assert got == expected, (report, indexers["folded"].log()[-3000:])
+            assert best == want, report
+            assert all(set(s.get(str(control), {})) <= {"0", "1"} for s in per_rank.values()), report
         print(report)
     finally:
-        indexer.close()
+        for indexer in indexers.values():
+            indexer.close()
