@@ -17,6 +17,11 @@ subscribers drop its stale blocks.  A rank silent (not even rank heartbeats) for
 ``rank_timeout_s`` is reported dead in the log and ``stats()``; the stream keeps serving
 the others.
 
+Views.  With ``folded_endpoint`` set, every forwarded rank batch is also folded into the
+instance-level view on its own PUB (:mod:`sglang_kvpub.publish.folded_view`), after the
+instance stream sent it; with ``rank_order`` each rank batch carries its rank's (epoch, seq)
+(``wire.RankOrder``), a rank restart's clear opening the new epoch at 0.
+
 Rank loads.  With a load source (:meth:`FanIn.set_load_source`: the DP controller's view of
 every rank's load, wired by the plugin), every ``load_report_s`` the fan-in thread sends a
 ``wire.LoadReport`` - a heartbeat-shaped message ``[ts, [], nil, RankLoads]`` with a seq like
@@ -392,9 +397,9 @@ class FanIn(ReplayServer):
             self._pending = []
             folded = self._folded
             for dp_rank, events in pending:
+                if folded is not None:
+                    self._fold(folded, dp_rank, events)  # before residency keeps them
                 try:
-                    if folded is not None:
-                        folded.take(dp_rank, events)  # reads the rank's events before residency keeps them
                     self._residency_of(dp_rank).apply_all(events)
                 except Exception as exc:  # a rank's bad input must never stop the fan-in loop
                     self._counts["malformed"] += 1
@@ -428,6 +433,14 @@ class FanIn(ReplayServer):
     def _encode(self, batch: EventBatch, dp_rank: int) -> bytes:
         enrich_batch(batch, dp_rank=dp_rank, block_size=0, hash_form=self.config.hash_form)
         return self._encoder.encode(batch)
+
+    def _fold(self, folded: FoldedStream, dp_rank: int, events: list[Any]) -> None:
+        """Under the lock: the batch's instance-level effect on the folded view."""
+        try:
+            folded.take(dp_rank, events)
+        except Exception as exc:  # the folded view must never stop the instance stream
+            self._counts["folded_errors"] += 1
+            self._rlog.warning("malformed", "kvpub fan-in: rank %d batch not folded: %r", dp_rank, exc)
 
     def _tag_order(self, dp_rank: int, rank_epoch: int, payload: bytes) -> bytes:
         """Under the lock: the payload with its rank's next (epoch, seq) on the stream."""
@@ -760,6 +773,7 @@ _COUNTERS = (
     "observer_errors",
     "load_reports",
     "load_report_errors",
+    "folded_errors",
 )
 
 BatchObserver = Callable[[int, EventBatch | bytes], None]
