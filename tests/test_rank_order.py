@@ -194,3 +194,34 @@ def test_tail_check_reports_the_rank_that_lost_a_batch(rig: Rig) -> None:
     clean = relay_to_tail(rig, None)
     assert clean.returncode == 0, clean.stderr
     assert json.loads(clean.stderr.split("check: ", 1)[1].splitlines()[0])["gaps"] == {}
+
+
+def test_the_adapters_stream_health_counts_the_lost_batch_per_rank(rig: Rig) -> None:
+    """The adapter's subscriber behind the same relay: the instance seq is contiguous, yet the
+    rank order shows rank 1 lost one batch (health ``rank_gaps``, the metric)."""
+    from motor_adapter.adapter_metrics import AdapterMetrics
+    from motor_adapter.stream import StreamSubscriber
+    from sglang_kvpub.core.index import PrefixIndex
+
+    scenario(rig)
+    ranks = [rank for rank, _ in orders(rig.messages)]
+    drop = [i for i, rank in enumerate(ranks) if rank == 1][2]
+    xpub = rig.context.socket(zmq.XPUB)
+    xpub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    xpub.bind(endpoint)
+    sub = StreamSubscriber("inst", endpoint, PrefixIndex(BS), context=rig.context)
+    sub.start()
+    try:
+        assert xpub.poll(30_000), "the adapter never subscribed"
+        xpub.recv()
+        kept = [m for i, m in enumerate(rig.messages) if i != drop]
+        for offset, (_, payload) in enumerate(kept):
+            xpub.send_multipart(wire.live_frames(b"", kept[0][0] + offset, payload))
+        assert sub.wait_for(lambda h: h.rank_gaps == {1: 1}, 20), sub.health()
+        assert sub.health().gaps == 0  # the instance seq had no hole
+        text = AdapterMetrics().render({("m", "default", BS, endpoint): [sub.health()]}, [])
+        assert 'motor_kv_adapter_stream_rank_gaps_total{engine_dp_rank="1",instance="inst",model="m"} 1' in text
+    finally:
+        sub.stop()
+        xpub.close(linger=0)
