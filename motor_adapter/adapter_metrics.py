@@ -235,8 +235,28 @@ class AdapterMetrics:
                         dp_rank="all" if rank is None else rank,
                     )
             extra.append(gauge)
+        extra += _removed_series(health)
         extra += _rank_series(loads)
         return self.registry.render(extra)
+
+
+def _removed_series(health: Mapping[tuple[str, str, int, str], list[Any]]) -> list[metrics.Gauge]:
+    """Blocks removed per instance, engine rank and reason, and batches of one rank missed
+    (the stream's rank order), as the streams counted them."""
+    removed = metrics.Gauge(
+        "motor_kv_adapter_removed_blocks_total", "Blocks removed per instance, engine rank and BlockRemoved.reason"
+    )
+    gaps = metrics.Gauge(
+        "motor_kv_adapter_stream_rank_gaps_total", "Batches of one engine rank missed live (the stream's rank order)"
+    )
+    removed.kind = gaps.kind = "counter"
+    for key, healths in health.items():
+        for h in healths:
+            for (rank, reason), count in (getattr(h, "removed", None) or {}).items():
+                removed.set(float(count), model=key[0], instance=h.instance_id, engine_dp_rank=rank, reason=reason)
+            for rank, missed in (getattr(h, "rank_gaps", None) or {}).items():
+                gaps.set(float(missed), model=key[0], instance=h.instance_id, engine_dp_rank=rank)
+    return [removed, gaps]
 
 
 def _rank_series(loads: Sequence[tuple[str, InstanceLoads]]) -> list[metrics.Gauge]:

@@ -118,8 +118,13 @@ class StreamHealth:
     # Whether ``connected`` can prove the stream alive: heartbeats expected, or a replay endpoint
     # that answers the sync at start (a plain engine stream without either looks idle when dead).
     provable: bool = True
+    # Blocks removed per (engine dp_rank, wire.reason_label(BlockRemoved.reason)).
+    removed: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
+    # Batches of one engine rank missed live, from the stream's rank order (wire.RankOrder).
+    rank_gaps: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
+_ORDERED = b"\x95"  # a batch of five elements: [ts, events, dp_rank, nil, RankOrder]
 _COUNTERS = (
     "batches",
     "events",
@@ -219,6 +224,8 @@ class StreamSubscriber:
         self._need_sync = False
         self._snapshot_ok: bool | None = None  # None: not known yet
         self._kind_logged = False  # what the registration turned out to be, said once
+        self._ranks = wire.RankOrderCheck()  # live batches carrying their rank's order (rank_order on)
+        self._ranks_epoch: int | None = None
         self._gap_key: tuple[int, int] | None = None
         self._restarted_by: _Item | None = None
         self._epoch: int | None = None  # epoch of the last applied seq; None after a counted restart
@@ -297,6 +304,8 @@ class StreamSubscriber:
     def _health_locked(self) -> StreamHealth:
         now = time.monotonic()
         health = dataclasses.replace(self._c)
+        health.removed = dict(self._c.removed)
+        health.rank_gaps = dict(self._c.rank_gaps)
         health.connected = self._connected(now)
         health.syncing = self._worker is not None or bool(self._pending)
         health.provable = self._expect_heartbeats or bool(self.replay_endpoint)
@@ -487,9 +496,23 @@ class StreamSubscriber:
             self._bad_input("live frame", exc)
             return
         batch = self._decode(payload)
+        if payload[:1] == _ORDERED and batch is not None:
+            self._check_rank_order(seq, payload)
         if self._load_sink is not None and batch is not None and not batch.events and self.dp_rank_override is None:
             self._take_loads(payload)  # live figures only: a replayed report is history
         self._enqueue(_Item(seq, batch, hash(payload), len(payload)))
+
+    def _check_rank_order(self, seq: int, payload: bytes) -> None:
+        """A live batch with its rank's order: a batch of that rank missed is a rank gap."""
+        epoch = wire.seq_epoch(seq)
+        if epoch != self._ranks_epoch:  # a new instance epoch: every rank's order starts again
+            self._ranks_epoch = epoch
+            self._ranks.reset()
+        gap = self._ranks.observe(*wire.read_rank_order(payload))
+        if gap is not None:
+            with self._cond:
+                self._c.rank_gaps[gap.dp_rank] = self._c.rank_gaps.get(gap.dp_rank, 0) + max(gap.missing, 0)
+            self._rlog.warning("rank-gap", "stream %s: %s", self.endpoint, gap.describe())
 
     def _take_loads(self, payload: bytes) -> None:
         """A heartbeat-shaped payload that is a rank-load message: its figures to the sink."""
@@ -601,6 +624,12 @@ class StreamSubscriber:
             log.debug("apply_batch failed", exc_info=True)
             return
         self._c.dropped_block_size += int(getattr(result, "ignored_block_size", 0) or 0)
+        rank = batch.dp_rank if self.dp_rank_override is None else self.dp_rank_override
+        removed = self._c.removed
+        for event in batch.events:
+            if type(event) is wire.BlockRemoved:
+                key = (rank if rank is not None else 0, wire.reason_label(event.reason))
+                removed[key] = removed.get(key, 0) + len(event.block_hashes)
 
     def _clear_scope(self) -> None:
         if self.dp_rank_override is None:

@@ -70,6 +70,10 @@ PLUGIN_KEYS = (
     "rank_send",
     "dp_dispatch",
     "load_report_s",
+    "folded_endpoint",
+    "folded_replay_endpoint",
+    "folded_event_encoding",
+    "rank_order",
     "curve_secret_key_file",
     "curve_public_key_file",
     "curve_authorized_keys",
@@ -100,6 +104,11 @@ class PluginConfig:
     rank_send: RankSendName = "inline"
     dp_dispatch: DispatchName = "cache_aware"  # the default with the plugin (issue #21); "default" opts out
     load_report_s: float = 0.1  # the rank-load message (wire.LoadReport) at most this often; 0: never
+    # The folded view (docs/wire.md "Which view"): the instance as one cache on its own PUB.
+    folded_endpoint: Union[str, None] = None
+    folded_replay_endpoint: Union[str, None] = None
+    folded_event_encoding: Union[EncodingName, None] = None  # None: as event_encoding
+    rank_order: bool = False  # each rank batch carries its rank's (epoch, seq): wire.RankOrder (opt-in)
     # Optional CURVE for the instance PUB and replay ROUTER (docs/security.md).
     curve_secret_key_file: Union[str, None] = None
     curve_public_key_file: Union[str, None] = None
@@ -121,6 +130,10 @@ class PluginConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             _VALIDATORS[field.name](field.name, getattr(self, field.name))
+        if self.folded_replay_endpoint and not self.folded_endpoint:
+            raise _bad(
+                "folded_replay_endpoint", self.folded_replay_endpoint, "set folded_endpoint too (the view's own PUB)"
+            )
 
     @property
     def binds(self) -> bool:
@@ -186,8 +199,22 @@ def _bad(key: str, value: Any, fix: str) -> ConfigError:
 def _from_env(key: str, raw: str) -> Any:
     """Env values are strings; convert by the key's type, keeping the raw text for errors."""
     text = raw.strip()
-    if key in ("internal_channel", "curve_secret_key_file", "curve_public_key_file", "curve_authorized_keys"):
+    if key in (
+        "internal_channel",
+        "curve_secret_key_file",
+        "curve_public_key_file",
+        "curve_authorized_keys",
+        "folded_endpoint",
+        "folded_replay_endpoint",
+        "folded_event_encoding",
+    ):
         return text or None
+    if key == "rank_order":
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise _bad(key, raw, "use true or false")
     if key in ("heartbeat_s", "load_report_s"):
         try:
             return float(text)
@@ -209,6 +236,19 @@ def _choice(allowed: tuple[str, ...]) -> Callable[[str, Any], None]:
             raise _bad(key, value, "use one of " + ", ".join(repr(a) for a in allowed))
 
     return check
+
+
+def _optional_choice(allowed: tuple[str, ...]) -> Callable[[str, Any], None]:
+    def check(key: str, value: Any) -> None:
+        if value is not None:
+            _choice(allowed)(key, value)
+
+    return check
+
+
+def _bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _bad(key, value, "use true or false")
 
 
 def _positive_int(minimum: int) -> Callable[[str, Any], None]:
@@ -304,6 +344,10 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     "rank_send": _choice(get_args(RankSendName)),
     "dp_dispatch": _choice(get_args(DispatchName)),
     "load_report_s": _load_report,
+    "folded_endpoint": _endpoint(True),
+    "folded_replay_endpoint": _endpoint(True),
+    "folded_event_encoding": _optional_choice(get_args(EncodingName)),
+    "rank_order": _bool,
     "curve_secret_key_file": _optional_path,
     "curve_public_key_file": _optional_path,
     "curve_authorized_keys": _optional_path,

@@ -48,7 +48,8 @@ DISPATCH = "dispatch"  # cache-aware dispatch in the DataParallelController
 DESCRIBE = "describe"  # the /server_info kv_events block
 FACTORY = "factory"  # EventPublisherFactory.create: the rank publisher instead of SGLang's
 FANIN = "fanin"  # the fan-in started by the DataParallelController
-FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN)
+REASONS = "reasons"  # BlockRemoved.reason given at the recorder's take
+FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN, REASONS)
 
 # What SGLang does once the feature is off (the log line says it).
 _FALLBACK = {
@@ -60,6 +61,7 @@ _FALLBACK = {
     DESCRIBE: "/server_info shows SGLang's own kv_events block",
     FACTORY: "SGLang's own per-rank publisher (base port + rank) serves this rank",
     FANIN: "no instance stream from this process",
+    REASONS: "removals are published without a reason",
 }
 
 _disabled: set[str] = set()

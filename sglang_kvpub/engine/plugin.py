@@ -45,6 +45,7 @@ from typing import Any
 from sglang_kvpub.config import ConfigError, PluginConfig
 from sglang_kvpub.core.load_balance import DispatchPlan, plan_dispatch
 from sglang_kvpub.engine import guard, sglang_compat, tree_cores
+from sglang_kvpub.engine.publishers import describe_publishers
 
 __all__ = [
     "PLUGIN_NAME",
@@ -536,6 +537,9 @@ def _describe_hook(result: dict[str, Any] | None, *args: Any, **kwargs: Any) -> 
                 if guard.disabled(guard.DISPATCH):  # the launcher's switch failed here (contained)
                     plan.update(on=False, reason="a contained plugin failure switched dispatch off (see the log)")
                 described["dp_dispatch"] = plan
+                config = PluginConfig.from_kv_events_json(getattr(server_args, "kv_events_config", None) or "")
+                dp_size = int(described.get("dp_size") or 1)
+                described["publishers"] = describe_publishers(config, dp_size, getattr(server_args, "host", None))
         return described
     except Exception as exc:
         guard.fail(guard.DESCRIBE, exc)

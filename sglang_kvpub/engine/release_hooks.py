@@ -38,7 +38,8 @@ from typing import Any
 
 from sglang_kvpub.core.release_tracker import Tracker, medium_of
 from sglang_kvpub.engine import guard
-from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU
+from sglang_kvpub.engine.removal_reasons import RUST_RECORDER_CLASS, give_reasons, reasoned_removal, rust_take_hook
+from sglang_kvpub.wire import MEDIUM_CPU, MEDIUM_GPU, REASON_OTHER
 
 __all__ = [
     "RECORDER_CLASS",
@@ -168,6 +169,8 @@ def emit_removed(recorder: Any, tracker: Tracker, hashes: list[int], medium: str
     module = _event_classes(recorder)
     tracker.absorb(recorder._queue)
     event = module.BlockRemoved(block_hashes=list(hashes), medium=_sglang_medium(module, medium))
+    if cause.startswith("reconcile"):  # a repair: the engine freed it unannounced, why is not known
+        event = reasoned_removal(event, REASON_OTHER)
     KVCacheEventRecorderEnqueue(recorder, event)
     tracker.skip_to_end(recorder._queue)
     announced = tracker.announced.setdefault(medium, {})
@@ -492,6 +495,11 @@ def _take_hook(original: Callable[..., Any], recorder: Any, *args: Any, **kwargs
         return original(recorder, *args, **kwargs)
     events = original(recorder, *args, **kwargs)
     try:
+        if events and type(events) is list and guard.REASONS not in guard._disabled:
+            give_reasons(events, tracker.announced)
+    except Exception as exc:
+        guard.fail(guard.REASONS, exc)
+    try:
         # Follow the fresh queue now: holding the drained list would delay freeing the
         # taken batch into whatever absorbs next (an idle reconciliation slice).
         queue = recorder._queue
@@ -515,7 +523,10 @@ _COMPONENT_OUTER_HOOK = _make_outer_hook(unified=True, component=True)
 
 def hook_targets() -> list[tuple[str, Callable[..., Any]]]:
     """Every (dotted target, AROUND hook) the release hooks install."""
-    targets: list[tuple[str, Callable[..., Any]]] = [(f"{RECORDER_CLASS}.take", _take_hook)]
+    targets: list[tuple[str, Callable[..., Any]]] = [
+        (f"{RECORDER_CLASS}.take", _take_hook),
+        (f"{RUST_RECORDER_CLASS}.take", rust_take_hook),
+    ]
     for cls, methods in _TOUCH.items():
         targets.extend((f"{cls}.{method}", _touch_hook) for method in methods)
     for cls, methods in _OUTER.items():
@@ -545,7 +556,8 @@ def install_release_hooks(registry: Any | None = None, *, classes: Iterable[str]
     with _install_lock:
         for target, hook in hook_targets():
             owner, method = target.rsplit(".", 1)
-            if wanted is not None and _class_of_target(owner) not in wanted and owner != RECORDER_CLASS:
+            recorder = owner in (RECORDER_CLASS, RUST_RECORDER_CLASS)
+            if wanted is not None and _class_of_target(owner) not in wanted and not recorder:
                 continue
             if target in _installed or not _exists(owner, method):
                 continue

@@ -17,6 +17,11 @@ subscribers drop its stale blocks.  A rank silent (not even rank heartbeats) for
 ``rank_timeout_s`` is reported dead in the log and ``stats()``; the stream keeps serving
 the others.
 
+Views.  With ``folded_endpoint`` set, every forwarded rank batch is also folded into the
+instance-level view on its own PUB (:mod:`sglang_kvpub.publish.folded_view`), after the
+instance stream sent it; with ``rank_order`` each rank batch carries its rank's (epoch, seq)
+(``wire.RankOrder``), a rank restart's clear opening the new epoch at 0.
+
 Rank loads.  With a load source (:meth:`FanIn.set_load_source`: the DP controller's view of
 every rank's load, wired by the plugin), every ``load_report_s`` the fan-in thread sends a
 ``wire.LoadReport`` - a heartbeat-shaped message ``[ts, [], nil, RankLoads]`` with a seq like
@@ -81,6 +86,7 @@ import zmq
 from sglang_kvpub.config import PluginConfig, should_bind
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
+from sglang_kvpub.publish.folded_view import FoldedStream
 from sglang_kvpub.publish.replay_server import Job, ReplayServer
 from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
@@ -99,10 +105,12 @@ from sglang_kvpub.wire import (
     EventBatch,
     LoadReportCodec,
     RankLoads,
+    RankOrder,
     WireError,
     encode_seq,
     enrich_batch,
     make_seq,
+    tag_payload,
 )
 
 __all__ = ["FanIn", "RankState", "default_channel_endpoint"]
@@ -183,6 +191,11 @@ class FanIn(ReplayServer):
         self._auth: Any = None  # ZAP authenticator when curve_authorized_keys is set
         self._rlog = RateLimitedLog(log, interval_s=None)  # first ten, then every thousandth
         self._counts = collections.Counter[str]()
+        # Per-rank order on the stream (wire.RankOrder): dp_rank -> [rank epoch, next seq].
+        self._orders: dict[int, list[int]] = {}
+        self._rank_order = config.rank_order
+        folded = config.folded_endpoint is not None
+        self._folded = FoldedStream(config, self.epoch, self._lock, self.snapshot_batch_blocks) if folded else None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -213,6 +226,8 @@ class FanIn(ReplayServer):
                 apply_server(router, curve)
                 self._router = router
                 router.bind(config.replay_endpoint)
+            if self._folded is not None:
+                self._folded.open(context, curve, self._current_residency)
             if self.listen_channel and self.channel_endpoint.startswith(PACKET_SCHEME):
                 # Ranks (re)connect once each; the bound keeps a local misbehaving peer small.
                 self._packets = PacketListener(self.channel_endpoint, max_connections=max(64, 4 * self.dp_size))
@@ -253,6 +268,8 @@ class FanIn(ReplayServer):
     def _close_sockets(self, pub: zmq.Socket[bytes] | None) -> None:
         if pub is not None:
             pub.close(linger=0)
+        if self._folded is not None:
+            self._folded.close()
         if self._router is not None:
             self._router.close(linger=0)
             self._router = None
@@ -361,6 +378,8 @@ class FanIn(ReplayServer):
             if decoded is None:
                 return
             events, payload = decoded
+        if self._rank_order:
+            payload = self._tag_order(dp_rank, rank_epoch, payload)
         self._outbox.append(payload)
         if events:
             self._pending.append((dp_rank, events))
@@ -376,7 +395,10 @@ class FanIn(ReplayServer):
         pending = self._pending
         if pending:
             self._pending = []
+            folded = self._folded
             for dp_rank, events in pending:
+                if folded is not None:
+                    self._fold(folded, dp_rank, events)  # before residency keeps them
                 try:
                     self._residency_of(dp_rank).apply_all(events)
                 except Exception as exc:  # a rank's bad input must never stop the fan-in loop
@@ -411,6 +433,28 @@ class FanIn(ReplayServer):
     def _encode(self, batch: EventBatch, dp_rank: int) -> bytes:
         enrich_batch(batch, dp_rank=dp_rank, block_size=0, hash_form=self.config.hash_form)
         return self._encoder.encode(batch)
+
+    def _fold(self, folded: FoldedStream, dp_rank: int, events: list[Any]) -> None:
+        """Under the lock: the batch's instance-level effect on the folded view."""
+        try:
+            folded.take(dp_rank, events)
+        except Exception as exc:  # the folded view must never stop the instance stream
+            self._counts["folded_errors"] += 1
+            self._rlog.warning("malformed", "kvpub fan-in: rank %d batch not folded: %r", dp_rank, exc)
+
+    def _tag_order(self, dp_rank: int, rank_epoch: int, payload: bytes) -> bytes:
+        """Under the lock: the payload with its rank's next (epoch, seq) on the stream."""
+        order = self._orders.get(dp_rank)
+        if order is None or order[0] != rank_epoch:
+            order = self._orders[dp_rank] = [rank_epoch, 0]
+        tagged = tag_payload(payload, RankOrder(rank_epoch, order[1]))
+        order[1] += 1
+        return tagged
+
+    def _current_residency(self) -> dict[int, RankResidency]:
+        """Under the lock: every rank's residency with everything forwarded applied."""
+        self._apply_pending()
+        return self._residency
 
     def _residency_of(self, dp_rank: int) -> RankResidency:
         residency = self._residency.get(dp_rank)
@@ -466,6 +510,8 @@ class FanIn(ReplayServer):
         log.warning("kvpub fan-in: rank %d restarted (new rank epoch); clearing its blocks", dp_rank)
         self._apply_pending()  # the old epoch's batches first, then the clear
         self._residency_of(dp_rank).clear()
+        if self._folded is not None:
+            self._folded.drop_rank(dp_rank)
         for _, on_restart in self._observers:
             if on_restart is not None:
                 try:
@@ -476,7 +522,10 @@ class FanIn(ReplayServer):
                         "malformed", "kvpub fan-in: observer failed on rank %d restart: %r", dp_rank, exc
                     )
         clear = EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=dp_rank)
-        self._outbox.append(self._encoder.encode(clear))  # before the new epoch's first batch
+        payload = self._encoder.encode(clear)
+        if self._rank_order:  # seq 0 of the new rank epoch
+            payload = self._tag_order(dp_rank, rank_epoch, payload)
+        self._outbox.append(payload)  # before the new epoch's first batch
         self._counts["rank_restarts"] += 1
 
     def _publish_outbox(self) -> None:
@@ -512,6 +561,8 @@ class FanIn(ReplayServer):
                 return
             self._emit(self._encoder.encode(EventBatch(ts=time.time(), events=[], dp_rank=None)))
             self._counts["heartbeats"] += 1
+            if self._folded is not None:
+                self._folded.heartbeat()
 
     # ------------------------------------------------------------------ loop
 
@@ -523,6 +574,9 @@ class FanIn(ReplayServer):
             poller.register(self._packets.fileno(), zmq.POLLIN)
         if self._router is not None:
             poller.register(self._router, zmq.POLLIN)
+        folded_router = self._folded.router if self._folded is not None else None
+        if folded_router is not None:
+            poller.register(folded_router, zmq.POLLIN)
         self._next_beat = self._next_liveness = time.monotonic() + self.config.heartbeat_s
         while not self._stop.is_set():
             try:
@@ -537,9 +591,11 @@ class FanIn(ReplayServer):
         now = time.monotonic()
         # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
         jobs = self._jobs
+        folded = self._folded
+        folded_busy = folded is not None and folded.busy
         next_timer = min(self._next_beat, self._next_load) if self._load_source is not None else self._next_beat
-        if jobs:
-            runnable = any(job.pending is None for job in jobs)
+        if jobs or folded_busy:
+            runnable = (folded is not None and folded.runnable) or any(job.pending is None for job in jobs)
             wait_s = 0.0 if runnable else min(max(0.0, next_timer - now), 0.01)
         else:
             wait_s = min(max(0.0, next_timer - now), 0.1)
@@ -556,6 +612,11 @@ class FanIn(ReplayServer):
             self._drain_requests(self._router)
         if self._jobs:
             self._advance_jobs()
+        if folded is not None and folded.router is not None:
+            if folded.router in ready:
+                folded.drain_requests()
+            if folded.busy:
+                folded.advance_jobs()
         now = time.monotonic()
         if self._load_source is not None and now >= self._next_load:
             self._report_loads(now)
@@ -665,6 +726,8 @@ class FanIn(ReplayServer):
                 "never_seen": [r for r in range(self.dp_size) if r not in self._ranks],
                 "dead": [r for r, s in self._ranks.items() if not s.alive],
                 "ranks": ranks,
+                "rank_order": {rank: {"epoch": o[0], "seq": o[1] - 1} for rank, o in sorted(self._orders.items())},
+                "folded": self._folded.stats() if self._folded is not None else None,
                 **{key: self._counts[key] for key in _COUNTERS},
             }
 
@@ -710,6 +773,7 @@ _COUNTERS = (
     "observer_errors",
     "load_reports",
     "load_report_errors",
+    "folded_errors",
 )
 
 BatchObserver = Callable[[int, EventBatch | bytes], None]

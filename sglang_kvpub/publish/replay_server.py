@@ -29,11 +29,13 @@ from sglang_kvpub.wire import (
     BatchEncoder,
     Event,
     EventBatch,
+    RankOrder,
     WireError,
     parse_replay_request,
     replay_end_frames,
     replay_reply_frames,
     seq_epoch,
+    tag_payload,
 )
 
 __all__ = ["Job", "ReplayServer"]
@@ -67,6 +69,8 @@ class ReplayServer:
     _buffer: collections.deque[tuple[int, bytes]]
     _last_seq: int
     _residency: dict[int, RankResidency]
+    _orders: dict[int, list[int]]  # dp_rank -> [rank epoch, next seq on the stream]
+    _rank_order: bool
     _jobs: list[Job]
     _router: zmq.Socket[bytes] | None
     _topic: bytes
@@ -125,6 +129,15 @@ class ReplayServer:
             snapshot_seq = self._last_seq
             ranks = sorted(set(range(self.dp_size)) | set(self._residency))
             frozen = {rank: self._residency[rank].copy() for rank in ranks if rank in self._residency}
+            # each rank's snapshot states its order: the next live batch of the rank is seq + 1
+            orders = {rank: RankOrder(o[0], o[1] - 1, True) for rank, o in self._orders.items()}
+        encode = self._encoder.encode
+
+        def tagged(events: list[Event], rank: int) -> bytes:
+            payload = encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
+            order = orders.get(rank) if self._rank_order else None
+            return payload if order is None else tag_payload(payload, order)
+
         for rank in ranks:
             residency = frozen.get(rank)
             events: list[Event] = [AllBlocksCleared()]
@@ -134,10 +147,10 @@ class ReplayServer:
                 events.append(event)
                 blocks += len(event.block_hashes)
                 if blocks >= self.snapshot_batch_blocks:
-                    yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
+                    yield snapshot_seq, tagged(events, rank)
                     events, blocks = [], 0
             if events:
-                yield snapshot_seq, self._encoder.encode(EventBatch(ts=time.time(), events=events, dp_rank=rank))
+                yield snapshot_seq, tagged(events, rank)
         with self._lock:
             end_seq = self._last_seq
         yield from self._buffered_items(snapshot_seq + 1, end_seq)

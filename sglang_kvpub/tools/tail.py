@@ -2,6 +2,11 @@
 
 One line per batch (``--json``: one JSON object per batch).  Sequence gaps and restarts go
 to stderr; a malformed frame is reported there and skipped.  Ctrl-C exits 0.
+
+``--check``: also follow every rank's own order on an instance stream (``wire.RankOrder``,
+docs/wire.md) and report a batch of one rank missing even when the instance seq is
+contiguous; at exit one summary line goes to stderr and the exit status is 1 if anything
+was missing.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--bind", action="store_true", help="bind instead of connect (for publishers that connect)")
     parser.add_argument("--count", type=int, default=0, help="exit after this many batches (0: run until Ctrl-C)")
     parser.add_argument("--idle-exit", type=float, default=0.0, help="exit after this many idle seconds (0: never)")
+    parser.add_argument(
+        "--check", action="store_true", help="check each rank's order too; exit 1 if a batch of any rank was missed"
+    )
     parser.set_defaults(run=run)
 
 
@@ -123,6 +131,13 @@ def replay(context: zmq.Context, endpoint: str, start_seq: int, snapshot: bool) 
         yield from client.fetch(start_seq, snapshot=snapshot, timeout_s=_REPLAY_TIMEOUT_S, on_bad=skipped)
 
 
+def _summary(tracker: SeqTracker, ranks: wire.RankOrderCheck, err: TextIO) -> int:
+    """The ``--check`` line: 0 when no batch was missed, else 1."""
+    report = {"instance_gaps": tracker.gaps, "restarts": tracker.restarts, **ranks.as_dict()}
+    print("check: " + json.dumps(report, sort_keys=True), file=err)
+    return 1 if tracker.gaps or ranks.gaps else 0
+
+
 class _Stop:
     requested = False
 
@@ -143,7 +158,10 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout, err: TextIO = sys.st
     sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
     try:
         (sub.bind if args.bind else sub.connect)(args.endpoint)
-        return _loop(args, context, sub, stop, Printer(out, args.json), SeqTracker(err), err)
+        tracker = SeqTracker(err)
+        ranks = wire.RankOrderCheck() if getattr(args, "check", False) else None
+        code = _loop(args, context, sub, stop, Printer(out, args.json), tracker, err, ranks)
+        return _summary(tracker, ranks, err) if ranks is not None and code == 0 else code
     except KeyboardInterrupt:
         return 0
     except TimeoutError as exc:
@@ -163,14 +181,22 @@ def _loop(
     printer: Printer,
     tracker: SeqTracker,
     err: TextIO,
+    ranks: wire.RankOrderCheck | None = None,
 ) -> int:
     decoder = wire.BatchDecoder()
 
     def handle(seq: int, payload: bytes, replayed: bool = False) -> bool:
+        restarts = tracker.restarts
         if replayed:
             tracker.observe_replayed(seq)
         elif not tracker.observe(seq):
             return False
+        if ranks is not None:
+            if tracker.restarts != restarts:
+                ranks.reset()  # a new instance epoch: every rank's order starts again
+            gap = ranks.observe(*wire.read_rank_order(payload))
+            if gap is not None:
+                print(gap.describe(), file=err)
         try:
             batch = decoder.decode(payload)
         except wire.WireError as exc:

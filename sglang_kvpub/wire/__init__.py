@@ -9,7 +9,11 @@ from sglang_kvpub.wire.codec import *  # noqa: F403
 from sglang_kvpub.wire.codec import __all__ as _codec_all
 from sglang_kvpub.wire.contract import *  # noqa: F403
 from sglang_kvpub.wire.contract import __all__ as _contract_all
+from sglang_kvpub.wire.rank_order import *  # noqa: F403
+from sglang_kvpub.wire.rank_order import __all__ as _order_all
+from sglang_kvpub.wire.removal import *  # noqa: F403
+from sglang_kvpub.wire.removal import __all__ as _removal_all
 from sglang_kvpub.wire.tool_json import *  # noqa: F403
 from sglang_kvpub.wire.tool_json import __all__ as _json_all
 
-__all__ = [*_contract_all, *_codec_all, *_json_all]
+__all__ = [*_contract_all, *_codec_all, *_order_all, *_removal_all, *_json_all]

@@ -67,6 +67,7 @@ class _ArrayStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=False)
 class _ArrayRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: list[int]
     medium: Union[str, None] = None
+    reason: Union[str, None] = None
 
 
 class _ArrayCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):
@@ -187,7 +188,7 @@ def _from_array_batch(raw: _ArrayBatch) -> EventBatch:
                 )
             )
         elif type(item) is _ArrayRemoved:
-            events.append(BlockRemoved(block_hashes=item.block_hashes, medium=item.medium))
+            events.append(BlockRemoved(item.block_hashes, item.medium, item.reason))
         else:
             events.append(AllBlocksCleared())
     return EventBatch(ts=raw.ts, events=events, dp_rank=raw.dp_rank)
@@ -374,7 +375,8 @@ class BatchDecoder:
             return AllBlocksCleared()
         medium = _optional_str(fields.get("medium"), "medium")
         if kind == "removed":
-            return BlockRemoved(block_hashes=_hash_list(fields.get("block_hashes")), medium=medium)
+            reason = _optional_str(fields.get("reason"), "reason")
+            return BlockRemoved(_hash_list(fields.get("block_hashes")), medium, reason)
         event = BlockStored(
             block_hashes=_hash_list(fields.get("block_hashes")),
             parent_block_hash=_optional_hash(fields.get("parent_block_hash")),
@@ -439,7 +441,7 @@ def _array_fields(tag: str, raw: Any) -> dict[str, Any]:
     values = list(raw[1:])
     kind = _EVENT_TAGS.get(tag)
     if kind == "removed":
-        return {"block_hashes": values[0] if values else None, "medium": values[1] if len(values) > 1 else None}
+        return dict(zip(("block_hashes", "medium", "reason"), values, strict=False))
     if kind != "stored":
         return {}
     fields: dict[str, Any] = dict(zip(_STORED_POSITIONS, values, strict=False))
@@ -525,7 +527,7 @@ def _event_as_array(event: Event) -> list[Any]:
             event.medium,
             event.lora_name,
         ]
-    if type(event) is BlockRemoved:
+    if type(event) is BlockRemoved:  # no reason: positional readers take a trailing string for another field
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]
 
@@ -610,7 +612,7 @@ def adopt_batch(
             hashes = _adopt_hashes(event.block_hashes, hash_form)
             if hashes is None:
                 return None
-            append(BlockRemoved(hashes, _adopt_medium(event.medium, default_medium)))
+            append(BlockRemoved(hashes, _adopt_medium(event.medium, default_medium), getattr(event, "reason", None)))
         elif name == "AllBlocksCleared":
             append(AllBlocksCleared())
         else:

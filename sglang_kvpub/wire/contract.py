@@ -36,6 +36,8 @@ __all__ = [
     "AllBlocksCleared",
     "Event",
     "EventBatch",
+    "RankOrder",
+    "RANK_ORDER_INDEX",
     "RankLoad",
     "RankLoads",
     "LoadReport",
@@ -88,7 +90,7 @@ class WireError(ValueError):
 
 # --------------------------------------------------------------------------- events
 # Every field but the first has a default so one typed decoder reads SGLang >= 0.5.20
-# and vLLM map events directly.  No ``omit_defaults``: ``parent_block_hash`` and
+# and vLLM map events directly.  No ``omit_defaults`` on stores: ``parent_block_hash`` and
 # ``lora_id`` must always be on the wire because SGLang 0.5.23's own decoder requires them.
 
 
@@ -106,9 +108,15 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     session_id: Union[str, None] = None
 
 
-class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
+    """Blocks that left one medium.  ``reason`` (one of ``wire.REMOVAL_REASONS``, or None:
+    not known) is written only when set, so a removal without one has the shape older
+    readers know; readers that do not know the field skip it (unknown map key, trailing
+    array element)."""
+
     block_hashes: list[int]
     medium: Union[str, None] = None
+    reason: Union[str, None] = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
@@ -124,6 +132,19 @@ class EventBatch(msgspec.Struct, array_like=True, gc=False):
     ts: float
     events: list[Event]
     dp_rank: Union[int, None] = None
+
+
+class RankOrder(msgspec.Struct, tag=True, gc=False):
+    """A rank batch's place in its rank's order on the instance stream: the fifth batch
+    element, ``[ts, events, dp_rank, nil, RankOrder]`` (the fourth stays free: a
+    four-element payload is a rank-load message).  ``seq`` counts 0, 1, 2, ... the batches
+    of rank ``dp_rank`` within one rank ``epoch`` (a new epoch: the rank restarted, its
+    first batch is ``AllBlocksCleared`` with ``seq`` 0).  ``snapshot``: a snapshot batch,
+    stating the rank's state as of ``seq`` (the next live batch of the rank is ``seq + 1``)."""
+
+    epoch: int
+    seq: int
+    snapshot: bool = False
 
 
 # --------------------------------------------------------------------------- rank loads
@@ -166,6 +187,7 @@ class LoadReport(msgspec.Struct, array_like=True, gc=False):
     loads: RankLoads
 
 
+RANK_ORDER_INDEX = 4  # the batch array's element that holds a RankOrder
 LOAD_REPORT_PREFIX = b"\x94"  # msgpack fixarray of 4: the only payload shape a load report has
 MAX_LOAD_RANKS = 4096  # bounds what a consumer keeps per instance
 

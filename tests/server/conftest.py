@@ -207,9 +207,11 @@ def plugin_rig(
     tree_core: str = "rust",
     extra_args: Sequence[str] = (),
     started: Callable[[sglang_server.Server], None] | None = None,
+    kv_events_extra: dict[str, Any] | None = None,
 ) -> Iterator[PluginRig]:
     """The server (heartbeats every 0.2 s, 4096 tokens per rank), the recorder and the adapter;
-    all stopped on exit.  ``started(server)``: called once the server is up (e.g. to report)."""
+    all stopped on exit.  ``started(server)``: called once the server is up (e.g. to report);
+    ``kv_events_extra``: more ``--kv-events-config`` keys."""
     server = start_server(
         model,
         log_dir,
@@ -218,7 +220,7 @@ def plugin_rig(
         page_size=page,
         dp_size=dp_size,
         max_total_tokens=4096,
-        kv_events_extra={"heartbeat_s": 0.2},
+        kv_events_extra={"heartbeat_s": 0.2, **(kv_events_extra or {})},
         extra_args=tuple(extra_args),
     )
     if started is not None:
