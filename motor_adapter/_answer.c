@@ -15,7 +15,6 @@
 
 #include <math.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <string.h>
 
 /* Floats print as "%.1f" of round(x, 1) - what msgspec writes for them - below this. */
@@ -105,25 +104,41 @@ static void longest_hit(const params_t *p, const hits_t *hits, scored_t *s) {
     s->disk = best[3];
 }
 
-/* RankLoadBook's live entry of an instance (rank_loads.LiveLoads): (packed, seen), packed a
- * bytearray of native doubles - received, the loads' sum, the report's version, the commits
- * since it, then each rank's current load.  Sets *words and *count (doubles); 0, or -1 with
- * an exception for another shape. */
-#define HEAD_WORDS 4
-static int live_words(PyObject *entry, double **words, Py_ssize_t *count) {
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 || !PyByteArray_Check(PyTuple_GET_ITEM(entry, 0)) ||
-        !PyAnySet_Check(PyTuple_GET_ITEM(entry, 1))) {
-        PyErr_SetString(PyExc_TypeError, "live loads are (bytearray of doubles, set of prompts)");
+/* The attribute names of rank_loads.LiveLoads the scoring reads (interned at import). */
+static PyObject *name_received, *name_total, *name_loads;
+
+/* A float attribute of `obj` into *out: 0, or -1 with an exception. */
+static int float_attr(PyObject *obj, PyObject *name, double *out) {
+    PyObject *value = PyObject_GetAttr(obj, name);
+    if (value == NULL) {
         return -1;
     }
-    PyObject *packed = PyTuple_GET_ITEM(entry, 0);
-    const Py_ssize_t bytes = PyByteArray_GET_SIZE(packed);
-    if (bytes < (Py_ssize_t)(HEAD_WORDS * sizeof(double)) || bytes % (Py_ssize_t)sizeof(double) != 0) {
-        PyErr_SetString(PyExc_TypeError, "packed loads are doubles: received, sum, version, commits, each rank's load");
+    *out = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return *out == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+/* An instance's rank_loads.LiveLoads, through its public attributes: `received`, `total` (the
+ * loads' sum as sum() adds them) and `loads`, a buffer of doubles (format "d") held in *view
+ * until the caller releases it.  0, or -1 with an exception. */
+static int live_read(PyObject *live, double *received, double *total, Py_buffer *view) {
+    if (float_attr(live, name_received, received) != 0 || float_attr(live, name_total, total) != 0) {
         return -1;
     }
-    *words = (double *)PyByteArray_AS_STRING(packed);
-    *count = bytes / (Py_ssize_t)sizeof(double);
+    PyObject *loads = PyObject_GetAttr(live, name_loads);
+    if (loads == NULL) {
+        return -1;
+    }
+    const int status = PyObject_GetBuffer(loads, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS);
+    Py_DECREF(loads);
+    if (status != 0) {
+        return -1;
+    }
+    if (view->format == NULL || strcmp(view->format, "d") != 0 || view->itemsize != (Py_ssize_t)sizeof(double)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_TypeError, "LiveLoads.loads is a buffer of doubles (array('d'))");
+        return -1;
+    }
     return 0;
 }
 
@@ -135,21 +150,23 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
     memset(s, 0, sizeof *s);
     const double *values = NULL;
     Py_ssize_t size = 0;
+    Py_buffer view = {0};
     if (live != NULL) {
-        double *packed;
-        Py_ssize_t words;
-        if (live_words(live, &packed, &words) != 0) {
+        double total;
+        if (live_read(live, &s->received, &total, &view) != 0) {
             return -1;
         }
-        s->received = packed[0];
-        s->fresh = !(now - packed[0] > stale_after); /* RankLoadBook.token: stale past stale_after */
+        s->fresh = !(now - s->received > stale_after); /* RankLoadBook.token: stale past stale_after */
         if (s->fresh) {
-            s->load_estimate = packed[1];
-            values = packed + HEAD_WORDS;
-            size = words - HEAD_WORDS;
+            s->load_estimate = total;
+            values = view.buf;
+            size = view.len / (Py_ssize_t)sizeof(double);
         }
     }
     if (size == 0) { /* no figures: the longest hit, as before loads existed */
+        if (view.obj != NULL) {
+            PyBuffer_Release(&view);
+        }
         s->load_estimate = 0.0;
         longest_hit(p, hits, s);
         if (s->has_hit && matched_of(p, s->npu, s->cpu, s->disk, &s->matched) != 0) {
@@ -163,6 +180,7 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
     Py_ssize_t *index = size <= 256 ? stack_index : PyMem_Malloc((size_t)size * sizeof(Py_ssize_t));
     int status = 0;
     if (index == NULL) {
+        PyBuffer_Release(&view);
         PyErr_NoMemory();
         return -1;
     }
@@ -223,6 +241,7 @@ done:
     if (index != stack_index) {
         PyMem_Free(index);
     }
+    PyBuffer_Release(&view);
     return status;
 }
 
@@ -321,36 +340,17 @@ static int text_int(text_t *t, long long v) {
 
 static int text_rank(text_t *t, long long rank) { return rank < 0 ? TEXT_LIT(t, "null") : text_int(t, rank); }
 
-/* round(v, 1) as msgspec writes it ("%.1f": the correctly rounded one-decimal form, which
- * round-trips below EXACT_FLOAT_MAX); v checked finite and below it by the caller.  In tenths
- * by hand, unless v * 10 lies near a half tenth, where its own rounding could decide. */
+/* round(v, 1) as msgspec writes it: CPython's correctly rounded one-decimal form ("%.1f"
+ * through PyOS_double_to_string), which is the shortest repr of round(v, 1) below
+ * EXACT_FLOAT_MAX (v checked finite and below it by the caller). */
 static int text_round1(text_t *t, double v) {
-    const double tenths = v * 10.0;
-    const double whole = nearbyint(tenths);
-    if (fabs(v) < 1e11 && fabs(fabs(tenths - trunc(tenths)) - 0.5) > 1e-3) {
-        const long long k = (long long)whole;
-        const unsigned long long u = k < 0 ? 0ULL - (unsigned long long)k : (unsigned long long)k;
-        if ((k < 0 || signbit(v)) && TEXT_LIT(t, "-")) { /* -0.0 and small negatives print "-0.x" */
-            return -1;
-        }
-        if (text_room(t, 24) != 0) {
-            return -1;
-        }
-        char *at = t->data + t->len;
-        const int n = digit_count(u / 10); /* the integer part, then '.', then the tenth */
-        digits_before(at + n, u / 10);
-        at[n] = '.';
-        at[n + 1] = (char)('0' + u % 10);
-        t->len += (size_t)n + 2;
-        return 0;
-    }
-    char buf[48];
-    const int n = snprintf(buf, sizeof buf, "%.1f", v);
-    if (n < 0 || n >= (int)sizeof buf) { /* callers render only renderable() figures: never */
-        PyErr_SetString(PyExc_ValueError, "a figure too long to render");
+    char *text = PyOS_double_to_string(v, 'f', 1, 0, NULL);
+    if (text == NULL) {
         return -1;
     }
-    return text_raw(t, buf, (size_t)n);
+    const int status = text_raw(t, text, strlen(text));
+    PyMem_Free(text);
+    return status;
 }
 
 static int renderable(double v) { return isfinite(v) && fabs(v) < EXACT_FLOAT_MAX; }
@@ -455,213 +455,25 @@ bad:
     return -1;
 }
 
-/* ------------------------------------------------------------------ metrics cells */
-
-/* The (tally adds, scored cell) of instance i's rank: from cells[i], else resolve(i, rank). */
-static PyObject *cells_of(PyObject *cells, PyObject *resolve, Py_ssize_t i, long long rank) {
-    PyObject *per = PyTuple_GET_ITEM(cells, i);
-    PyObject *key = PyLong_FromLongLong(rank);
-    if (key == NULL) {
-        return NULL;
-    }
-    PyObject *found = PyDict_GetItemWithError(per, key); /* borrowed */
-    if (found == NULL && !PyErr_Occurred()) {
-        found = PyObject_CallFunction(resolve, "nL", i, rank); /* new */
-        if (found != NULL && PyDict_SetItem(per, key, found) != 0) {
-            Py_CLEAR(found);
-        }
-        Py_XDECREF(found); /* the dict holds it now */
-    }
-    Py_DECREF(key);
-    if (found != NULL && (!PyTuple_Check(found) || PyTuple_GET_SIZE(found) != 2 ||
-                          !PyTuple_Check(PyTuple_GET_ITEM(found, 0)))) {
-        PyErr_SetString(PyExc_TypeError, "resolve(i, rank) must give (tally adds tuple, scored cell)");
-        return NULL;
-    }
-    return found; /* borrowed from the dict */
-}
-
-/* cell[0] += amount, as the reference's `cell[0] += n` (metrics.Counter.cell: a float). */
-static int cell_add(PyObject *cell, long long amount) {
-    if (!PyList_Check(cell) || PyList_GET_SIZE(cell) < 1) {
-        PyErr_SetString(PyExc_TypeError, "a metrics cell is a one-item list");
-        return -1;
-    }
-    PyObject *old = PyList_GET_ITEM(cell, 0);
-    PyObject *sum;
-    if (PyFloat_CheckExact(old)) { /* float + int: the int made a double first, as float.__add__ */
-        sum = PyFloat_FromDouble(PyFloat_AS_DOUBLE(old) + (double)amount);
-    } else {
-        PyObject *add = PyLong_FromLongLong(amount);
-        sum = add != NULL ? PyNumber_Add(old, add) : NULL;
-        Py_XDECREF(add);
-    }
-    if (sum == NULL) {
-        return -1;
-    }
-    return PyList_SetItem(cell, 0, sum); /* steals sum, releases old */
-}
-
-/* The metrics of instance i's answer on `rank`: its own hit's tier counts (the tally adds) and,
- * when it scored tokens as a hit, those on the scored-tokens cell.  The cells come from
- * cells[i] (resolve fills a miss). */
-static int count_instance(PyObject *cells, PyObject *resolve, Py_ssize_t i, long long rank, long long matched) {
-    PyObject *found = cells_of(cells, resolve, i, rank);
-    if (found == NULL) {
-        return -1;
-    }
-    Py_INCREF(found); /* the adds below run no Python code, but hold it anyway */
-    int status = 0;
-    PyObject *own = PyTuple_GET_ITEM(found, 0);
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(own) && status == 0; k++) {
-        PyObject *pair = PyTuple_GET_ITEM(own, k);
-        long long count;
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-            ((count = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1))) == -1 && PyErr_Occurred())) {
-            if (!PyErr_Occurred()) {
-                PyErr_SetString(PyExc_TypeError, "tally adds are (cell, count) pairs");
-            }
-            status = -1;
-            break;
-        }
-        status = cell_add(PyTuple_GET_ITEM(pair, 0), count);
-    }
-    if (status == 0 && matched > 0 && PyTuple_GET_ITEM(found, 1) != Py_None) {
-        status = cell_add(PyTuple_GET_ITEM(found, 1), matched);
-    }
-    Py_DECREF(found);
-    return status;
-}
-
-/* sum() of n doubles as the running CPython adds floats: left to right from 0; 3.12 on with
- * Neumaier's compensation (and its last step), so the C commit leaves the sum the reference's
- * sum() leaves. */
-static double python_sum(const double *v, Py_ssize_t n) {
-#if PY_VERSION_HEX >= 0x030C0000
-    if (n == 0) {
-        return 0.0;
-    }
-    double f = 0.0 + v[0], c = 0.0;
-    for (Py_ssize_t i = 1; i < n; i++) {
-        const double x = v[i], t = f + x;
-        c += fabs(f) >= fabs(x) ? (f - t) + x : (x - t) + f;
-        f = t;
-    }
-    if (c != 0.0 && isfinite(c)) {
-        f += c;
-    }
-    return f;
-#else
-    double f = 0.0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        f += v[i];
-    }
-    return f;
-#endif
-}
-
-/* rank_loads._COMMITTED_MAX: prompts remembered per instance between two reports */
-#define COMMITTED_MAX 65536
-
-/* RankLoadBook.commit: `tokens` to `rank` of the instance whose live entry is live[stream],
- * once per prompt between two reports; an effective one counts in `changes` (the book's
- * int64 cell).  0, or -1 with an exception. */
-static int commit_to(PyObject *live, PyObject *stream, long long rank, long long tokens, PyObject *prompt,
-                     PyObject *changes) {
-    if (tokens <= 0) {
-        return 0;
-    }
-    PyObject *entry = PyDict_GetItemWithError(live, stream);
-    if (entry == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
-    }
-    Py_INCREF(entry); /* a report replaces it in the dict meanwhile: this one stays whole */
-    double *words;
-    Py_ssize_t count;
-    int status = live_words(entry, &words, &count);
-    PyObject *seen = status == 0 ? PyTuple_GET_ITEM(entry, 1) : NULL;
-    const int has = seen != NULL ? PySet_Contains(seen, prompt) : -1;
-    if (has < 0) {
-        status = -1;
-    } else if (has == 0 && PySet_GET_SIZE(seen) < COMMITTED_MAX) {
-        if (PySet_Add(seen, prompt) != 0 || live_words(entry, &words, &count) != 0) { /* words again: no cached pointer across an allocation */
-            status = -1;
-        } else {
-            if (rank >= 0 && rank < count - HEAD_WORDS) {
-                words[HEAD_WORDS + rank] += (double)tokens;
-                words[1] = python_sum(words + HEAD_WORDS, count - HEAD_WORDS);
-            }
-            words[3] += 1.0;
-            ((int64_t *)PyByteArray_AS_STRING(changes))[0] += 1;
-        }
-    }
-    Py_DECREF(entry);
-    return status;
-}
-
-static int check_changes(PyObject *changes) {
-    if (!PyByteArray_Check(changes) || PyByteArray_GET_SIZE(changes) != 8) {
-        PyErr_SetString(PyExc_TypeError, "changes is the book's 8-byte counter (RankLoadBook.changes_cell)");
-        return -1;
-    }
-    return 0;
-}
-
-/* An answer's side effects from its replay (rank_answer's): the metrics of each instance counted,
- * then the commit to the chosen instance's stream.  0, or -1 with an exception. */
-static int make_side_effects(PyObject *replay, PyObject *streams, PyObject *live, PyObject *cells, PyObject *resolve,
-                             PyObject *prompt, PyObject *changes) {
-    const Py_ssize_t n = PyTuple_GET_SIZE(streams);
-    const Py_ssize_t words = PyBytes_GET_SIZE(replay) / (Py_ssize_t)sizeof(long long);
-    const long long *plan = (const long long *)PyBytes_AS_STRING(replay);
-    if (PyBytes_GET_SIZE(replay) % (Py_ssize_t)sizeof(long long) != 0 || words < 4 || plan[3] < 0 ||
-        plan[3] > (words - 4) / 3 || words != 4 + 3 * plan[3] || plan[0] < 0 || plan[0] >= n ||
-        PyTuple_GET_SIZE(cells) != n) {
-        PyErr_SetString(PyExc_ValueError, "a malformed replay (rank_answer makes it)");
-        return -1;
-    }
-    for (long long k = 0; k < plan[3]; k++) {
-        const long long *at = plan + 4 + 3 * k;
-        if (at[0] < 0 || at[0] >= n || !PyDict_Check(PyTuple_GET_ITEM(cells, at[0]))) {
-            PyErr_SetString(PyExc_ValueError, "a malformed replay (rank_answer makes it)");
-            return -1;
-        }
-        if (count_instance(cells, resolve, (Py_ssize_t)at[0], at[1], at[2]) != 0) {
-            return -1;
-        }
-    }
-    if (plan[1] < 0) {
-        return 0;
-    }
-    return commit_to(live, PyTuple_GET_ITEM(streams, plan[0]), plan[1], plan[2], prompt, changes);
-}
-
-/* rank_answer(board, streams, live, now, stale_after, isl, spread, cells, resolve, prompt, changes)
- *   -> False | None | (json, best_blocks, until, replay)
+/* rank_answer(board, streams, live, now, stale_after, isl, spread)
+ *   -> False | None | (json, best_blocks, until, effects)
  *
  * board: the view's and walk result's inputs (above); streams[i]: instance i's stream, its key
- * in `live` (RankLoadBook.live: (packed doubles, committed prompts) per stream); cells[i]: a
- * dict rank -> (tally adds, scored cell), filled by resolve(i, rank) on a miss.
- * The answer's side effects are made here, as the reference makes them: the commit of the
- * prompt's uncached tokens to the rank it makes Motor's pick land on (once per `prompt` between
- * two reports; an effective one counts in `changes`, RankLoadBook.changes_cell), and its
- * metrics (each instance's own hit on its scored rank, the tokens scored as hits).
+ * in `live` (RankLoadBook.live: a rank_loads.LiveLoads per stream, read, never changed).
  * best_blocks: the largest hit of the answer (AdapterMetrics.observe_tally's); until: when the
  * first fresh instance goes stale (the answer holds while the book does not change until
- * then); replay: what rank_replay needs to make the side effects of the same answer again.
+ * then); effects: what the answer makes the caller do, as the reference does it -
+ * (chosen instance, commit rank (-1: none), commit tokens, ((instance, rank, matched), ...) of
+ * each instance whose scored rank holds a hit): rank_render.effects commits and counts them.
  * False: no instance has fresh loads (answer by the longest hit); None: fall back to the
- * reference.  Either way nothing was changed. */
+ * reference. */
 static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *board, *streams, *live, *spread_obj, *cells, *resolve, *prompt, *changes;
+    PyObject *board, *streams, *live, *spread_obj;
     double now, stale_after;
     params_t p;
-    if (!PyArg_ParseTuple(args, "O!O!O!ddnOO!OOO", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live,
-                          &now, &stale_after, &p.isl, &spread_obj, &PyTuple_Type, &cells, &resolve, &prompt,
-                          &changes)) {
-        return NULL;
-    }
-    if (check_changes(changes) != 0) {
+    if (!PyArg_ParseTuple(args, "O!O!O!ddnO", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live, &now,
+                          &stale_after, &p.isl, &spread_obj)) {
         return NULL;
     }
     const uint64_t spread = PyLong_AsUnsignedLongLongMask(spread_obj);
@@ -675,9 +487,9 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     if (read_board(board, &p, &tenant, &tenant_len, &instances, &n) != 0) {
         return NULL;
     }
-    if (PyTuple_GET_SIZE(streams) != n || PyTuple_GET_SIZE(cells) != n) {
+    if (PyTuple_GET_SIZE(streams) != n) {
         PyMem_Free(instances);
-        PyErr_SetString(PyExc_ValueError, "rank_answer needs one stream and one cells dict per instance of the board");
+        PyErr_SetString(PyExc_ValueError, "rank_answer needs one stream per instance of the board");
         return NULL;
     }
     scored_t stack_scored[64];
@@ -686,7 +498,7 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     text_t text = scratch; /* taken back at the end: no Python code runs while it is written */
     text.len = 0;
     scratch = (text_t){NULL, 0, 0};
-    PyObject *out = NULL, *json = NULL, *replay = NULL;
+    PyObject *out = NULL, *json = NULL, *counted = NULL;
     if (scored == NULL || values == NULL) {
         PyErr_NoMemory();
         goto fail;
@@ -695,10 +507,6 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     int any_fresh = 0;
     double until = INFINITY; /* when the first fresh instance goes stale: the answer holds until then */
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!PyDict_Check(PyTuple_GET_ITEM(cells, i))) {
-            PyErr_SetString(PyExc_TypeError, "cells are dicts");
-            goto fail;
-        }
         PyObject *loads = PyDict_GetItemWithError(live, PyTuple_GET_ITEM(streams, i)); /* borrowed */
         if (loads == NULL && PyErr_Occurred()) {
             goto fail;
@@ -780,42 +588,39 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     if (TEXT_LIT(&text, "}}")) {
         goto fail;
     }
-    /* The replay (int64s): the chosen instance, the commit's rank (-1: none) and tokens, then
+    /* The effects: the chosen instance, the commit's rank (-1: none) and tokens, then
      * (instance, rank, matched) of each instance counted: a hit on its scored rank. */
-    replay = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((4 + 3 * n) * sizeof(long long)));
-    json = replay != NULL ? PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len) : NULL;
-    if (json == NULL) {
+    json = PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len);
+    Py_ssize_t hits = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        hits += scored[i].rank >= 0 && scored[i].has_hit; /* matched > 0 needs a hit */
+    }
+    counted = json != NULL ? PyTuple_New(hits) : NULL;
+    if (counted == NULL) {
         goto fail;
     }
-    long long *plan = (long long *)PyBytes_AS_STRING(replay);
-    plan[0] = best;
-    plan[1] = top->rank >= 0 && top->fresh ? top->rank : -1;
-    plan[2] = (long long)p.isl - top->matched;
-    long long counted = 0, best_blocks = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    long long best_blocks = 0;
+    for (Py_ssize_t i = 0, k = 0; i < n; i++) {
         const scored_t *s = &scored[i];
-        if (s->rank < 0 || !s->has_hit) { /* matched > 0 needs a hit */
+        if (s->rank < 0 || !s->has_hit) {
             continue;
         }
-        long long *at = plan + 4 + 3 * counted++;
-        at[0] = i;
-        at[1] = s->rank;
-        at[2] = s->matched;
+        PyObject *item = Py_BuildValue("(nLL)", i, s->rank, s->matched);
+        if (item == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(counted, k++, item);
         const long long total = s->npu + s->cpu + s->disk;
         best_blocks = total > best_blocks ? total : best_blocks;
     }
-    plan[3] = counted;
-    if (_PyBytes_Resize(&replay, (Py_ssize_t)((4 + 3 * counted) * sizeof(long long))) != 0 ||
-        make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
-        goto fail;
-    }
-    out = Py_BuildValue("(OLdO)", json, best_blocks, until, replay);
+    out = Py_BuildValue("(OLd(nLLO))", json, best_blocks, until, best, top->rank >= 0 && top->fresh ? top->rank : -1LL,
+                        (long long)p.isl - top->matched, counted);
     goto fail; /* the common exit: out is set on success */
 fall_back:
     out = Py_NewRef(Py_None);
 fail:
     Py_XDECREF(json);
-    Py_XDECREF(replay);
+    Py_XDECREF(counted);
     if (text.cap <= SCRATCH_MAX && scratch.data == NULL) {
         scratch = text; /* kept for the next answer: a fresh buffer each time is a cold one */
     } else {
@@ -829,39 +634,10 @@ fail:
     return out;
 }
 
-/* rank_replay(replay, streams, live, cells, resolve, changes, prompt) -> None
- *
- * The side effects of an answer rank_answer gave before (its `replay`), made again for a query
- * answered with it: the same metrics, the commit for `prompt`.  `prompt` comes last so a caller
- * binds the rest once per answer (functools.partial) and calls with the prompt alone; fast call
- * convention: no argument tuple per query. */
-static PyObject *answer_rank_replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "rank_replay takes 7 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    PyObject *replay = args[0], *streams = args[1], *live = args[2], *cells = args[3], *resolve = args[4],
-             *changes = args[5], *prompt = args[6];
-    if (!PyBytes_Check(replay) || !PyTuple_Check(streams) || !PyDict_Check(live) || !PyTuple_Check(cells)) {
-        PyErr_SetString(PyExc_TypeError, "rank_replay(replay: bytes, streams: tuple, live: dict, cells: tuple, "
-                                         "resolve, changes, prompt)");
-        return NULL;
-    }
-    if (check_changes(changes) != 0 || make_side_effects(replay, streams, live, cells, resolve, prompt, changes) != 0) {
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef answer_methods[] = {
     {"rank_answer", answer_rank_answer, METH_VARARGS,
-     "rank_answer(board, streams, live, now, stale_after, isl, spread, cells, resolve, prompt, changes) -> False | "
-     "None | (json, best_blocks, until, replay): the rank-aware /query answer, its commit and metrics made "
-     "(see _answer.c)."},
-    {"rank_replay", (PyCFunction)(void (*)(void))answer_rank_replay, METH_FASTCALL,
-     "rank_replay(replay, streams, live, cells, resolve, changes, prompt) -> None: an answer's commit and metrics "
-     "made again."},
+     "rank_answer(board, streams, live, now, stale_after, isl, spread) -> False | None | (json, best_blocks, until, "
+     "effects): the rank-aware /query answer and what it commits and counts (see _answer.c)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -871,9 +647,11 @@ static struct PyModuleDef answer_module = {
 };
 
 PyMODINIT_FUNC PyInit__answer(void) {
-    PyObject *module = PyModule_Create(&answer_module);
-    if (module != NULL && PyModule_AddIntConstant(module, "COMMITTED_MAX", COMMITTED_MAX) != 0) {
-        Py_CLEAR(module);
+    name_received = PyUnicode_InternFromString("received");
+    name_total = PyUnicode_InternFromString("total");
+    name_loads = PyUnicode_InternFromString("loads");
+    if (name_received == NULL || name_total == NULL || name_loads == NULL) {
+        return NULL;
     }
-    return module;
+    return PyModule_Create(&answer_module);
 }
