@@ -17,17 +17,14 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rank_cost.h"
+
 /* Floats print as "%.1f" of round(x, 1) - what msgspec writes for them - below this. */
 #define EXACT_FLOAT_MAX 1e15
 /* Ints from float rounding (Motor's DP values) stay within this. */
 #define EXACT_INT_MAX 4e18
 
-typedef struct {
-    Py_ssize_t isl;
-    Py_ssize_t block_size;
-    double w_npu, w_cpu, w_disk;
-    double prefill_scale, overlap_credit, load_weight;
-} params_t;
+typedef rank_cost_params params_t;
 
 typedef struct {
     long long rank; /* -1: none */
@@ -39,22 +36,12 @@ typedef struct {
     double received;
 } scored_t;
 
-/* round(weighted * block_size) capped at isl, as CostParams.matched / scoring.matched_tokens,
- * into *out; 1 when it is not an exact int (the reference would raise or differ: fall back). */
+/* rank_cost_matched of a hit's blocks; 1 when it has no value (the reference raises: fall back). */
 static int matched_of(const params_t *p, long long npu, long long cpu, long long disk, long long *out) {
-    const double weighted = (double)npu * p->w_npu + (double)cpu * p->w_cpu + (double)disk * p->w_disk;
-    const double tokens = nearbyint(weighted * (double)p->block_size); /* round half to even, as round() */
-    if (!isfinite(tokens) || tokens < -EXACT_INT_MAX) {
-        return 1;
-    }
-    *out = tokens >= (double)p->isl ? (long long)p->isl : (long long)tokens;
-    return 0;
+    return rank_cost_matched(p, (double)npu, (double)cpu, (double)disk, out) != RANK_COST_OK;
 }
 
-static double prefill_of(const params_t *p, long long matched) {
-    const double rest = (double)p->isl - p->overlap_credit * (double)matched;
-    return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
-}
+static double prefill_of(const params_t *p, long long matched) { return rank_cost_prefill(p, matched); }
 
 /* An instance's hits: native int64 quads (rank, npu, cpu, disk), one per rank holding block 0. */
 typedef struct {
@@ -88,7 +75,8 @@ static void longest_hit(const params_t *p, const hits_t *hits, scored_t *s) {
         }
         int better = !found || weighted > best_w;
         if (!better) { /* (npu, total, -rank) > best's, lexicographically */
-            better = h[1] > best[1] || (h[1] == best[1] && (total > best_total || (total == best_total && h[0] < best[0])));
+            better =
+                h[1] > best[1] || (h[1] == best[1] && (total > best_total || (total == best_total && h[0] < best[0])));
         }
         if (better) {
             found = 1;
@@ -213,7 +201,7 @@ static int score_instance(const params_t *p, const hits_t *hits, PyObject *live,
             }
             prefill = prefill_of(p, matched);
         }
-        const double cost = prefill + p->load_weight * load;
+        const double cost = rank_cost_of(p, prefill, load);
         if (k == 0 || cost < best_cost) { /* the first among equals from the start, as min() then index() */
             best_cost = cost;
             best_rank = r;
@@ -294,8 +282,9 @@ static inline __attribute__((always_inline)) int text_raw(text_t *t, const char 
 #define TEXT_LIT(t, s) text_raw((t), (s), sizeof(s) - 1)
 
 /* "00".."99": two digits per division (an answer prints ~100 figures of a few digits each). */
-static const char digit_pairs[201] = "0001020304050607080910111213141516171819202122232425262728293031323334353637383940414243444546474849"
-                                     "5051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
+static const char digit_pairs[201] =
+    "0001020304050607080910111213141516171819202122232425262728293031323334353637383940414243444546474849"
+    "5051525354555657585960616263646566676869707172737475767778798081828384858687888990919293949596979899";
 
 /* The decimal digits of u written ending at `end` (backwards); returns where they start. */
 static inline char *digits_before(char *end, unsigned long long u) {
@@ -356,20 +345,18 @@ static int text_round1(text_t *t, double v) {
 static int renderable(double v) { return isfinite(v) && fabs(v) < EXACT_FLOAT_MAX; }
 
 /* One instance's entry: "<name>":{...} (the reference's key order). */
-static int text_entry(text_t *t, const instance_t *in, const scored_t *s, long long gpu, long long dp,
-                      Py_ssize_t bs) {
+static int text_entry(text_t *t, const instance_t *in, const scored_t *s, long long gpu, long long dp, Py_ssize_t bs) {
     const long long npu = s->has_hit ? s->npu : 0, cpu = s->has_hit ? s->cpu : 0, disk = s->has_hit ? s->disk : 0;
     if (text_raw(t, in->name, in->name_len) || TEXT_LIT(t, ":{\"longest_matched\":") || text_int(t, in->longest) ||
         TEXT_LIT(t, ",\"GPU\":") || text_int(t, gpu) || TEXT_LIT(t, ",\"CPU\":") || text_int(t, cpu * bs) ||
         TEXT_LIT(t, ",\"DISK\":") || text_int(t, disk * bs) || TEXT_LIT(t, ",\"DP\":{") ||
         text_raw(t, in->key, in->key_len) || TEXT_LIT(t, ":") || text_int(t, dp) || TEXT_LIT(t, "},\"dp_detail\":{") ||
-        text_raw(t, in->key, in->key_len) ||
-        TEXT_LIT(t, ":{\"matched_tokens\":") || text_int(t, (npu + cpu + disk) * bs) ||
-        TEXT_LIT(t, ",\"npu_blocks\":") || text_int(t, npu) || TEXT_LIT(t, ",\"cpu_blocks\":") || text_int(t, cpu) ||
-        TEXT_LIT(t, ",\"disk_blocks\":") || text_int(t, disk) || TEXT_LIT(t, ",\"engine_dp_rank\":") ||
-        text_rank(t, s->matched > 0 ? s->rank : -1) || TEXT_LIT(t, ",\"scored_rank\":") || text_rank(t, s->rank) ||
-        TEXT_LIT(t, ",\"rank_cost\":") || text_round1(t, s->cost) || TEXT_LIT(t, ",\"rank_load\":") ||
-        text_round1(t, s->load) || TEXT_LIT(t, "}}}")) {
+        text_raw(t, in->key, in->key_len) || TEXT_LIT(t, ":{\"matched_tokens\":") ||
+        text_int(t, (npu + cpu + disk) * bs) || TEXT_LIT(t, ",\"npu_blocks\":") || text_int(t, npu) ||
+        TEXT_LIT(t, ",\"cpu_blocks\":") || text_int(t, cpu) || TEXT_LIT(t, ",\"disk_blocks\":") || text_int(t, disk) ||
+        TEXT_LIT(t, ",\"engine_dp_rank\":") || text_rank(t, s->matched > 0 ? s->rank : -1) ||
+        TEXT_LIT(t, ",\"scored_rank\":") || text_rank(t, s->rank) || TEXT_LIT(t, ",\"rank_cost\":") ||
+        text_round1(t, s->cost) || TEXT_LIT(t, ",\"rank_load\":") || text_round1(t, s->load) || TEXT_LIT(t, "}}}")) {
         return -1;
     }
     return 0;
@@ -414,13 +401,13 @@ static int read_board(PyObject *board, params_t *p, const char **tenant, size_t 
     cursor_t c = {(const unsigned char *)PyBytes_AS_STRING(board),
                   (const unsigned char *)PyBytes_AS_STRING(board) + PyBytes_GET_SIZE(board)};
     long long count, block_size, tlen;
-    if (take_word(&c, &count) || take_word(&c, &block_size) || take_word(&c, &p->w_npu) ||
-        take_word(&c, &p->w_cpu) || take_word(&c, &p->w_disk) || take_word(&c, &p->prefill_scale) ||
-        take_word(&c, &p->overlap_credit) || take_word(&c, &p->load_weight) || take_word(&c, &tlen) ||
-        take_text(&c, tlen, tenant) || count <= 0 || count > (1 << 20)) {
+    if (take_word(&c, &count) || take_word(&c, &block_size) || take_word(&c, &p->w_npu) || take_word(&c, &p->w_cpu) ||
+        take_word(&c, &p->w_disk) || take_word(&c, &p->prefill_scale) || take_word(&c, &p->overlap_credit) ||
+        take_word(&c, &p->load_weight) || take_word(&c, &tlen) || take_text(&c, tlen, tenant) || count <= 0 ||
+        count > (1 << 20)) {
         goto bad;
     }
-    p->block_size = (Py_ssize_t)block_size;
+    p->block_size = block_size;
     *tenant_len = (size_t)tlen;
     *n = (Py_ssize_t)count;
     *instances = PyMem_Malloc((size_t)count * sizeof(instance_t));
@@ -472,10 +459,12 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     PyObject *board, *streams, *live, *spread_obj;
     double now, stale_after;
     params_t p;
+    Py_ssize_t isl;
     if (!PyArg_ParseTuple(args, "O!O!O!ddnO", &PyBytes_Type, &board, &PyTuple_Type, &streams, &PyDict_Type, &live, &now,
-                          &stale_after, &p.isl, &spread_obj)) {
+                          &stale_after, &isl, &spread_obj)) {
         return NULL;
     }
+    p.isl = isl;
     const uint64_t spread = PyLong_AsUnsignedLongLongMask(spread_obj);
     if (spread == (uint64_t)-1 && PyErr_Occurred()) {
         return NULL;
@@ -642,8 +631,15 @@ static PyMethodDef answer_methods[] = {
 };
 
 static struct PyModuleDef answer_module = {
-    PyModuleDef_HEAD_INIT, "_answer", "The rank-aware /query answer in C (motor_adapter.state is the reference).",
-    -1, answer_methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "_answer",
+    "The rank-aware /query answer in C (motor_adapter.state is the reference).",
+    -1,
+    answer_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__answer(void) {

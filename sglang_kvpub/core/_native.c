@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "rank_cost.h"
+
 typedef uint64_t (*xxh3_seeded_fn)(const void *data, size_t len, uint64_t seed);
 
 static xxh3_seeded_fn xxh3_seeded = NULL;
@@ -712,8 +714,8 @@ static PyObject *native_npu_walk_ranks(PyObject *self, PyObject *args) {
 
 static int wide_le_bytes(PyObject *value, unsigned char *out, Py_ssize_t size) {
 #if PY_VERSION_HEX >= 0x030D0000
-    const Py_ssize_t need = PyLong_AsNativeBytes(
-        value, out, size, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+    const Py_ssize_t need =
+        PyLong_AsNativeBytes(value, out, size, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
     if (need < 0) {
         return -1;
     }
@@ -735,59 +737,15 @@ static PyObject *wide_to_long(const uint64_t *words, int count) {
 #endif
 }
 
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API)
-/* A non-negative int's digits read in place (CPython 3.11's layout: ob_size digits of
- * PyLong_SHIFT bits, least significant first) into `count` zeroed words: the byte-array
- * converter costs ~20 ns a key on the wide walk, this a few.  Other versions convert. */
-#define WIDE_DIGITS 1
-static int wide_from_digits(PyObject *value, uint64_t *out, int count) {
-    const Py_ssize_t size = Py_SIZE(value); /* >= 0: a mask, not ~wid */
-    const digit *digits = ((PyLongObject *)value)->ob_digit;
-    for (Py_ssize_t i = 0; i < size; i++) {
-        const uint64_t part = digits[i];
-        const Py_ssize_t bit = i * PyLong_SHIFT;
-        const Py_ssize_t word = bit >> 6;
-        const int shift = (int)(bit & 63);
-        if (word >= count) {
-            if (part != 0) {
-                goto wider;
-            }
-            continue;
-        }
-        out[word] |= part << shift;
-        if (shift + PyLong_SHIFT > 64) {
-            const uint64_t spill = part >> (64 - shift);
-            if (word + 1 < count) {
-                out[word + 1] |= spill;
-            } else if (spill != 0) {
-                goto wider;
-            }
-        }
-    }
-    return 0;
-wider:
-    PyErr_SetString(PyExc_OverflowError, "worker mask wider than the walk's words");
-    return -1;
-}
-#endif
-
 /* A masks value (a worker mask >= 0, or ~wid of one worker) as `count` words. */
 static int wide_from_long(PyObject *value, uint64_t *out, int count) {
-#ifdef WIDE_DIGITS
-    if (PyLong_CheckExact(value) && Py_SIZE(value) >= 0) {
-        /* a mask (not ~wid): its digits straight into the words, with no try of a long long
-         * first - past 64 workers most masks overflow one (issue 32, the wide walk) */
-        memset(out, 0, (size_t)count * 8);
-        return wide_from_digits(value, out, count);
-    }
-#endif
     int overflow = 0;
     const long long small = PyLong_AsLongLongAndOverflow(value, &overflow);
     if (small == -1 && PyErr_Occurred()) {
         return -1;
     }
     memset(out, 0, (size_t)count * 8);
-    if (overflow > 0) { /* an int subclass, or not CPython 3.11 (an exact int's digits were read above) */
+    if (overflow > 0) { /* past 64 bits: CPython's converter, little-endian words */
         return wide_le_bytes(value, (unsigned char *)out, (Py_ssize_t)count * 8); /* little-endian host */
     }
     if (overflow < 0) {
@@ -1118,17 +1076,28 @@ static Py_ssize_t msgpack_u32(const unsigned char *at, const unsigned char *stop
             if (room < 5) return 0;
             *value = ((uint32_t)at[1] << 24) | ((uint32_t)at[2] << 16) | ((uint32_t)at[3] << 8) | at[4];
             return 5;
-        default:
-            break;
+        default: break;
     }
     int size;
     int is_signed = 0;
     switch (tag) {
         case 0xcf: size = 8; break;
-        case 0xd0: size = 1; is_signed = 1; break;
-        case 0xd1: size = 2; is_signed = 1; break;
-        case 0xd2: size = 4; is_signed = 1; break;
-        case 0xd3: size = 8; is_signed = 1; break;
+        case 0xd0:
+            size = 1;
+            is_signed = 1;
+            break;
+        case 0xd1:
+            size = 2;
+            is_signed = 1;
+            break;
+        case 0xd2:
+            size = 4;
+            is_signed = 1;
+            break;
+        case 0xd3:
+            size = 8;
+            is_signed = 1;
+            break;
         default: return 0;
     }
     if (room < 1 + size) {
@@ -1188,9 +1157,9 @@ static inline Py_ssize_t u32_item(const unsigned char *at, uint32_t *value) {
     return 1 + (bits >> 3);
 }
 
-#define U32_SPLIT_MIN 1024 /* ids: below this one chain (u32_run) does it */
-#define U32_SPLIT_PROBE 64 /* ids decoded alone first, to measure the bytes an id takes */
-#define U32_SPLIT_PRIME 12 /* items a second chain's start must decode in a row */
+#define U32_SPLIT_MIN   1024 /* ids: below this one chain (u32_run) does it */
+#define U32_SPLIT_PROBE 64   /* ids decoded alone first, to measure the bytes an id takes */
+#define U32_SPLIT_PRIME 12   /* items a second chain's start must decode in a row */
 
 /* Whether U32_SPLIT_PRIME items of u32_run's forms decode in a row from `at`. */
 static int u32_primes(const unsigned char *at, const unsigned char *stop) {
@@ -1324,31 +1293,31 @@ u32_run_wide(const unsigned char **cursor, const unsigned char *stop, uint32_t *
     const unsigned char *w = *cursor; /* the window; an item starts at w + e */
     Py_ssize_t i = 0;
     uint32_t e = 0;
-    const __m512i lane = _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45,
-                                         44, 43, 42, 41, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26,
-                                         25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
-                                         5, 4, 3, 2, 1, 0);
+    const __m512i lane =
+        _mm512_set_epi8(63, 62, 61, 60, 59, 58, 57, 56, 55, 54, 53, 52, 51, 50, 49, 48, 47, 46, 45, 44, 43, 42, 41, 40,
+                        39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                        15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const __m512i beyond = _mm512_add_epi8(lane, _mm512_set1_epi8(64)); /* positions 64..127 map to themselves */
     /* by item length: the right shift of an all-ones mask that keeps its payload (0: none) */
     const __m512i shift_of_len = _mm512_set_epi32(32, 32, 32, 32, 32, 32, 32, 32, 32, 32, 0, 32, 16, 24, 24, 32);
     const __m512i back = _mm512_set1_epi32(0x03020100);
-    const __m512i spread = _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404,
-                                            0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808,
-                                            0x04040404, 0);
+    const __m512i spread =
+        _mm512_set_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0, 0x0c0c0c0c,
+                         0x08080808, 0x04040404, 0, 0x0c0c0c0c, 0x08080808, 0x04040404, 0);
     const __mmask64 bit[6] = {0xAAAAAAAAAAAAAAAAull, 0xCCCCCCCCCCCCCCCCull, 0xF0F0F0F0F0F0F0F0ull,
                               0xFF00FF00FF00FF00ull, 0xFFFF0000FFFF0000ull, 0xFFFFFFFF00000000ull};
     unsigned char starts[64], ends[64], lens[64];
     while (i < count && stop - w >= 128) { /* the window and the next one readable: items run past it */
         const __m512i data = _mm512_loadu_si512(w);
         const __m512i next = _mm512_loadu_si512(w + 64);
-        __m512i len = _mm512_maskz_mov_epi8(_mm512_cmplt_epu8_mask(data, _mm512_set1_epi8((char)0x80)),
-                                            _mm512_set1_epi8(1));
-        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcc)),
-                                   _mm512_set1_epi8(2));
-        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcd)),
-                                   _mm512_set1_epi8(3));
-        len = _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xce)),
-                                   _mm512_set1_epi8(5));
+        __m512i len =
+            _mm512_maskz_mov_epi8(_mm512_cmplt_epu8_mask(data, _mm512_set1_epi8((char)0x80)), _mm512_set1_epi8(1));
+        len =
+            _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcc)), _mm512_set1_epi8(2));
+        len =
+            _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xcd)), _mm512_set1_epi8(3));
+        len =
+            _mm512_mask_mov_epi8(len, _mm512_cmpeq_epi8_mask(data, _mm512_set1_epi8((char)0xce)), _mm512_set1_epi8(5));
         __m512i jump[7];
         jump[0] = _mm512_add_epi8(lane, len);
         for (int b = 1; b < 7; b++) {
@@ -1370,10 +1339,12 @@ u32_run_wide(const unsigned char **cursor, const unsigned char *stop, uint32_t *
             const __m512i end = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ends + g)));
             const __m512i from = _mm512_sub_epi8(_mm512_shuffle_epi8(end, spread), back); /* end, end-1, end-2, end-3 */
             const __m512i item_len = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(lens + g)));
-            const __m512i keep = _mm512_srlv_epi32(_mm512_set1_epi32(-1), _mm512_permutexvar_epi32(item_len, shift_of_len));
+            const __m512i keep =
+                _mm512_srlv_epi32(_mm512_set1_epi32(-1), _mm512_permutexvar_epi32(item_len, shift_of_len));
             const __m512i value = _mm512_and_si512(_mm512_permutex2var_epi8(data, from, next), keep);
             const Py_ssize_t left = m - g;
-            _mm512_mask_storeu_epi32(ids + i + g, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), value);
+            _mm512_mask_storeu_epi32(ids + i + g, left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1),
+                                     value);
         }
         i += m;
         if (m < n || out < 64) { /* the array's end, or an item of another form (u32_run stops there) */
@@ -1607,10 +1578,10 @@ static const unsigned char *msgpack_skip(const unsigned char *at, const unsigned
         } else {
             static const int header[32] = {
                 /* c0..cf */ 0, -1, 0, 0, 1, 2, 4, 1, 2, 4, 0, 0, 0, 0, 0, 0,
-                /* d0..df */ 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 2, 4, 2, 4,
+                /* d0..df */ 0, 0,  0, 0, 0, 0, 0, 0, 0, 1, 2, 4, 2, 4, 2, 4,
             };
             static const int fixed[32] = {
-                /* c0..cf */ 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 4, 8, 1, 2, 4, 8,
+                /* c0..cf */ 0, 0, 0, 0, 0, 0, 0, 1, 1,  1, 4, 8, 1, 2, 4, 8,
                 /* d0..df */ 1, 2, 4, 8, 2, 3, 5, 9, 17, 0, 0, 0, 0, 0, 0, 0,
             };
             const int size = header[tag - 0xc0];
@@ -1689,25 +1660,25 @@ static void split_release(body_split *split) {
  * the remembered body's: it may be stated after the ids, and is then known only once they
  * are decoded - a body whose block size turns out another decodes the skipped ids after all. */
 #define MEMO_PROBE_BYTES 1024 /* ~300 ids: what a conversation's turns, or one system prompt, share */
-#define MEMO_MIN_BYTES 2048   /* shorter payloads save too little for what a lookup and an entry cost */
-#define MEMO_BLOCK_BYTES 64 /* per block beside the body: its end, its key's tuple slot and int, an answer's list slot */
+#define MEMO_MIN_BYTES   2048 /* shorter payloads save too little for what a lookup and an entry cost */
+#define MEMO_BLOCK_BYTES                                                                                               \
+    64 /* per block beside the body: its end, its key's tuple slot and int, an answer's list slot */
 
 typedef struct {
     uint64_t stamp; /* insertion order; 0: an empty slot */
     uint64_t probe;
     uint64_t seed;
     Py_ssize_t block_size;
-    Py_ssize_t payload;     /* the first item's offset in `body` */
-    Py_ssize_t bytes;       /* counted against max_bytes */
-    PyObject *body;         /* bytes, kept as given (no copy) */
-    PyObject *keys;         /* tuple: the keys of the body's full blocks */
-    PyObject *ends;         /* bytes: a Py_ssize_t per full block, where its last item ends (from `payload`) */
-    PyObject *answer;       /* the caller's object for these exact bytes (attach), or NULL */
+    Py_ssize_t payload; /* the first item's offset in `body` */
+    Py_ssize_t bytes;   /* counted against max_bytes */
+    PyObject *body;     /* bytes, kept as given (no copy) */
+    PyObject *keys;     /* tuple: the keys of the body's full blocks */
+    PyObject *ends;     /* bytes: a Py_ssize_t per full block, where its last item ends (from `payload`) */
+    PyObject *answer;   /* the caller's object for these exact bytes (attach), or NULL */
 } memo_entry;
 
 typedef struct {
-    PyObject_HEAD
-    memo_entry *slots;
+    PyObject_HEAD memo_entry *slots;
     Py_ssize_t capacity; /* slots: the entry bound */
     Py_ssize_t used;
     Py_ssize_t bytes;
@@ -1827,8 +1798,7 @@ static inline __attribute__((always_inline)) uint32_t shortest_bytes_loop(const 
 #ifdef HAVE_WIDE_DECODE
 /* The same loop in 16 lanes where the ids are decoded wide: a body seen the first time sums
  * every id's length, 0.45 us for 6,144 ids (1.5 in the 4 lanes of the plain build). */
-__attribute__((target("avx512f,avx512bw"))) static uint32_t shortest_bytes_wide(const uint32_t *ids,
-                                                                               Py_ssize_t count) {
+__attribute__((target("avx512f,avx512bw"))) static uint32_t shortest_bytes_wide(const uint32_t *ids, Py_ssize_t count) {
     return shortest_bytes_loop(ids, count);
 }
 #endif
@@ -2280,7 +2250,8 @@ static PyObject *native_take_query_keys(PyObject *self, PyObject *args) {
     if (reuse.reused > 0 && reuse.block_size != block_size) { /* stated after the ids, unlike the memo's */
         const unsigned char *end;
         int truncated;
-        const int failed = u32_items(split.items, stop, 0, reuse.reused * reuse.block_size, split.ids, &end, &truncated);
+        const int failed =
+            u32_items(split.items, stop, 0, reuse.reused * reuse.block_size, split.ids, &end, &truncated);
         memo_reuse_drop(&reuse);
         if (failed) { /* cannot happen: these bytes decoded before */
             split_release(&split);
@@ -2336,12 +2307,7 @@ static PyObject *native_take_query_keys(PyObject *self, PyObject *args) {
 
 enum { SCORE_CACHE_HIT = 0, SCORE_NO_HIT = 1, SCORE_HOTSPOT = 2 };
 
-typedef struct {
-    Py_ssize_t block_size;
-    Py_ssize_t isl;
-    double w_npu, w_cpu, w_disk;
-    double prefill_scale, overlap_credit;
-} score_params;
+typedef rank_cost_params score_params;
 
 /* The matched tokens of a hit tuple (npu, cpu, disk); -1 with an exception set. */
 static long long hit_matched(const score_params *p, PyObject *hit) {
@@ -2356,20 +2322,14 @@ static long long hit_matched(const score_params *p, PyObject *hit) {
             return -1;
         }
     }
-    const double weighted = blocks[0] * p->w_npu + blocks[1] * p->w_cpu + blocks[2] * p->w_disk;
-    const double tokens = nearbyint(weighted * (double)p->block_size); /* round half to even, as round() */
-    if (isnan(tokens)) {
-        PyErr_SetString(PyExc_ValueError, "cannot convert float NaN to integer");
-        return -1;
+    long long matched = 0;
+    switch (rank_cost_matched(p, blocks[0], blocks[1], blocks[2], &matched)) {
+        case RANK_COST_NAN: PyErr_SetString(PyExc_ValueError, "cannot convert float NaN to integer"); return -1;
+        case RANK_COST_RANGE:
+            PyErr_SetString(PyExc_OverflowError, "matched tokens out of range (check the tier weights)");
+            return -1;
+        default: return matched;
     }
-    if (tokens >= (double)p->isl) {
-        return (long long)p->isl;
-    }
-    if (tokens < -9.2e18) { /* -inf or beyond a long long: round() would not help the cost either */
-        PyErr_SetString(PyExc_OverflowError, "matched tokens out of range (check the tier weights)");
-        return -1;
-    }
-    return (long long)tokens;
 }
 
 /* *matched = the matched tokens of `rank`'s hit, 0 without one; -1 with an exception set. */
@@ -2383,10 +2343,7 @@ static int rank_matched(const score_params *p, PyObject *hits, PyObject *rank, l
     return *matched == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-static double prefill_cost(const score_params *p, long long matched) {
-    const double rest = (double)p->isl - p->overlap_credit * (double)matched;
-    return p->prefill_scale * (rest > 0.0 ? rest : 0.0);
-}
+static double prefill_cost(const score_params *p, long long matched) { return rank_cost_prefill(p, matched); }
 
 /* The float of an optional number (None: disabled); -1 with an exception set. */
 static int optional_double(PyObject *value, int *present, double *out) {
@@ -2409,12 +2366,14 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
     PyObject *hits, *loads, *ranks, *spread_obj, *relative_obj;
     Py_ssize_t start;
     score_params p;
-    double load_weight;
-    if (!PyArg_ParseTuple(args, "O!OO!nnn(ddd)dddOO", &PyDict_Type, &hits, &loads, &PyList_Type, &ranks, &start,
-                          &p.isl, &p.block_size, &p.w_npu, &p.w_cpu, &p.w_disk, &p.prefill_scale, &p.overlap_credit,
-                          &load_weight, &spread_obj, &relative_obj)) {
+    Py_ssize_t isl, block_size;
+    if (!PyArg_ParseTuple(args, "O!OO!nnn(ddd)dddOO", &PyDict_Type, &hits, &loads, &PyList_Type, &ranks, &start, &isl,
+                          &block_size, &p.w_npu, &p.w_cpu, &p.w_disk, &p.prefill_scale, &p.overlap_credit,
+                          &p.load_weight, &spread_obj, &relative_obj)) {
         return NULL;
     }
+    p.isl = isl;
+    p.block_size = block_size;
     const Py_ssize_t n = PyList_GET_SIZE(ranks);
     if (n == 0 || start < 0 || start >= n) {
         PyErr_SetString(PyExc_ValueError, "dispatch_score needs ranks and a start within them");
@@ -2462,7 +2421,7 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
         } else if (PyErr_Occurred()) {
             return NULL;
         }
-        const double cost = prefill + load_weight * load;
+        const double cost = rank_cost_of(&p, prefill, load);
         if (i == 0) {
             first_load = load;
         }
@@ -2504,7 +2463,7 @@ static PyObject *native_dispatch_score(PyObject *self, PyObject *args) {
             return NULL;
         }
         load_of_best = least_load;
-        best_cost = prefill_cost(&p, matched) + load_weight * least_load;
+        best_cost = rank_cost_of(&p, prefill_cost(&p, matched), least_load);
     }
     return Py_BuildValue("(OiLdd)", best, reason, matched, best_cost, load_of_best);
 }
@@ -2526,8 +2485,7 @@ typedef struct {
 } hk_slot;
 
 typedef struct {
-    PyObject_HEAD
-    hk_slot *slots;
+    PyObject_HEAD hk_slot *slots;
     size_t capacity; /* a power of two, or 0 */
     size_t used;     /* slots in use (engine hash 0 not counted) */
     int shift;       /* 64 - log2(capacity) */
@@ -3074,8 +3032,15 @@ static PyMethodDef native_methods[] = {
 };
 
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "_native", "Optional C helpers for sglang_kvpub.core.hashing.", -1, native_methods,
-    NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "_native",
+    "Optional C helpers for sglang_kvpub.core.hashing.",
+    -1,
+    native_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
