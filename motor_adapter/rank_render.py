@@ -15,13 +15,13 @@ set, or it declines an answer (a figure that would not render exactly), the refe
 
 from __future__ import annotations
 
-import os
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
 import msgspec
 
+from motor_adapter import native
 from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
@@ -29,17 +29,7 @@ from sglang_kvpub.core.tiers import TierHit
 __all__ = ["NATIVE", "Effects", "RankStatic", "RankTable", "Rendered", "effects", "render", "renders", "static_inputs"]
 
 
-def _load() -> Any:
-    if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
-        return None
-    try:
-        from motor_adapter import _answer  # type: ignore[attr-defined]
-    except ImportError:  # not built (no C compiler at install): the reference answers
-        return None
-    return _answer
-
-
-NATIVE: Any = _load()
+NATIVE: Any = native.MODULE  # the router's C helpers, or None (the reference answers)
 
 # (adds of the instance-hit counters, the scored-tokens counter's series or None) of one rank
 Cells = tuple[tuple[tuple[Any, int], ...], Any]

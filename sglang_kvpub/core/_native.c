@@ -1,4 +1,7 @@
-/* Optional C helpers for the hot paths of sglang_kvpub.core.hashing (see docs/native.md).
+/* The engine's C helpers: what the SGLang processes and the index run on every dispatch decision
+ * and every stored event - block keys, the index's tables and walks, the dispatch score (see
+ * docs/native.md).  The router's own helpers (the /query body, the rank-aware answer) are in
+ * motor_adapter/_answer.c, which compiles hash.c and msgpack_ids.c from here as well.
  *
  * The Python implementation in hashing.py is the reference and the fallback: this module
  * computes the same values, in one call instead of a Python loop per block.  It carries no
@@ -19,18 +22,15 @@
 
 #include "rank_cost.h"
 
-#include "native/hash.c"
-#include "native/keymasks.c"
-#include "native/walk.c"
-#include "native/msgpack_ids.c"
-#include "native/query_body.c"
-#include "native/dispatch.c"
-#include "native/hashkeys.c"
-#include "native/body_key.c"
+#include "csrc/hash.c"
+#include "csrc/keymasks.c"
+#include "csrc/walk.c"
+#include "csrc/msgpack_ids.c"
+#include "csrc/ids.c"
+#include "csrc/dispatch.c"
+#include "csrc/hashkeys.c"
 
 static PyMethodDef native_methods[] = {
-    {"body_key", (PyCFunction)(void (*)(void))native_body_key, METH_FASTCALL,
-     "body_key(data, flag) -> (XXH3-128 of data, seed 0) << 1 | flag, hashed without AVX-512."},
     {"bind", native_bind, METH_O, "Resolve XXH3_64bits_withSeed from the shared object at the given path."},
     {"chain_keys", native_chain_keys, METH_VARARGS,
      "chain_keys(tokens, block_size, seed, parent, start, end) -> chained block keys (list of int)."},
@@ -53,14 +53,8 @@ static PyMethodDef native_methods[] = {
      "u32_from_msgpack(raw) -> little-endian u32 bytes of a msgpack array of integers in [0, 2^32)."},
     {"u32_count_msgpack", native_u32_count_msgpack, METH_O,
      "u32_count_msgpack(raw) -> the length of a msgpack array of integers in [0, 2^32), each checked."},
-    {"take_token_ids", native_take_token_ids, METH_O,
-     "take_token_ids(body) -> (u32 bytes | None, body without token_ids): a msgpack /query body split."},
     {"u32_decode_wide", native_u32_decode_wide, METH_O,
      "u32_decode_wide(enabled) -> whether ids are decoded with AVX-512 VBMI after the call (None: ask)."},
-    {"take_query_keys", native_take_query_keys, METH_VARARGS,
-     "take_query_keys(body, default_block_size, seed, memo=None) -> (rest, keys, tokens, spread, block_size) | "
-     "None: take_token_ids with the ids hashed into sequence_keys and spread_key instead of returned; with a "
-     "QueryKeysMemo, the leading blocks a recent body shares are taken from it."},
     {"dispatch_score", native_dispatch_score, METH_VARARGS,
      "dispatch_score(hits, loads, ranks, start, isl, block_size, weights, prefill_scale, overlap_credit, "
      "load_weight, hotspot_spread, hotspot_relative) -> (rank, reason, matched, cost, load)."},
@@ -97,11 +91,6 @@ PyMODINIT_FUNC PyInit__native(void) {
         return NULL;
     }
     if (PyType_Ready(&HashKeysType) != 0 || PyModule_AddObjectRef(module, "HashKeys", (PyObject *)&HashKeysType) != 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    if (PyType_Ready(&QueryKeysMemoType) != 0 ||
-        PyModule_AddObjectRef(module, "QueryKeysMemo", (PyObject *)&QueryKeysMemoType) != 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -203,60 +203,10 @@ static PyObject *native_chain_keys(PyObject *self, PyObject *args) {
     return keys;
 }
 
-static int wide_le_bytes(PyObject *value, unsigned char *out, Py_ssize_t size) {
-#if PY_VERSION_HEX >= 0x030D0000
-    const Py_ssize_t need =
-        PyLong_AsNativeBytes(value, out, size, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
-    if (need < 0) {
-        return -1;
-    }
-    if (need > size) {
-        PyErr_SetString(PyExc_OverflowError, "worker mask wider than the walk's words");
-        return -1;
-    }
-    return 0;
-#else
-    return _PyLong_AsByteArray((PyLongObject *)value, out, (size_t)size, 1, 0);
-#endif
-}
-
 static PyObject *wide_to_long(const uint64_t *words, int count) {
 #if PY_VERSION_HEX >= 0x030D0000
     return PyLong_FromUnsignedNativeBytes(words, (size_t)count * 8, Py_ASNATIVEBYTES_LITTLE_ENDIAN);
 #else
     return _PyLong_FromByteArray((const unsigned char *)words, (size_t)count * 8, 1, 0);
 #endif
-}
-
-/* u32_from_ints(ids) -> bytes
- *
- * hashing.tokens_u32 of a list or tuple of ints: little-endian u32 bytes, each id cast
- * `& 0xFFFFFFFF` as the conductor casts it; TypeError for an item that is no integer. */
-static PyObject *native_u32_from_ints(PyObject *self, PyObject *arg) {
-    if (!PyList_Check(arg) && !PyTuple_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "token ids must be a list or a tuple");
-        return NULL;
-    }
-    const Py_ssize_t count = PySequence_Fast_GET_SIZE(arg);
-    PyObject **items = PySequence_Fast_ITEMS(arg);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
-    if (out == NULL) {
-        return NULL;
-    }
-    uint32_t *ids = (uint32_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = items[i];
-        if (!PyLong_Check(item)) { /* numpy ints and other __index__ types, as struct takes them */
-            PyObject *index = PyNumber_Index(item);
-            if (index == NULL) {
-                Py_DECREF(out);
-                return NULL;
-            }
-            ids[i] = (uint32_t)PyLong_AsUnsignedLongLongMask(index);
-            Py_DECREF(index);
-            continue;
-        }
-        ids[i] = (uint32_t)PyLong_AsUnsignedLongLongMask(item); /* little-endian host */
-    }
-    return out;
 }

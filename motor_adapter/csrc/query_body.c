@@ -3,6 +3,19 @@
  * One file of the _native extension: a unity build, included by sglang_kvpub/core/_native.c in
  * order (docs/native.md says what each part is for and why it is native). */
 
+/* Whether the msgpack value from `at` to `end` is the string `name`. */
+static int msgpack_str_equals(const unsigned char *at, const unsigned char *end, const char *name, size_t name_len) {
+    size_t header = 0;
+    if ((at[0] & 0xe0) == 0xa0) {
+        header = 1;
+    } else if (at[0] == 0xd9) {
+        header = 2;
+    } else {
+        return 0; /* not a string (or a str16/32: no field name is that long) */
+    }
+    return (size_t)(end - at) == header + name_len && memcmp(at + header, name, name_len) == 0;
+}
+
 /* A msgpack /query body split around its top-level "token_ids" array: take_token_ids and
  * take_query_keys scan it alike, so they take, leave and refuse the same bodies. */
 typedef struct {

@@ -153,6 +153,23 @@ static PyObject *native_npu_walk_ranks(PyObject *self, PyObject *args) {
 
 #define WIDE_WORDS_MAX 16 /* 1024 workers */
 
+static int wide_le_bytes(PyObject *value, unsigned char *out, Py_ssize_t size) {
+#if PY_VERSION_HEX >= 0x030D0000
+    const Py_ssize_t need =
+        PyLong_AsNativeBytes(value, out, size, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+    if (need < 0) {
+        return -1;
+    }
+    if (need > size) {
+        PyErr_SetString(PyExc_OverflowError, "worker mask wider than the walk's words");
+        return -1;
+    }
+    return 0;
+#else
+    return _PyLong_AsByteArray((PyLongObject *)value, out, (size_t)size, 1, 0);
+#endif
+}
+
 /* A masks value (a worker mask >= 0, or ~wid of one worker) as `count` words. */
 static int wide_from_long(PyObject *value, uint64_t *out, int count) {
     int overflow = 0;

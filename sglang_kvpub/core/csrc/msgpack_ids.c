@@ -423,96 +423,6 @@ static Py_ssize_t u32_array_count(const unsigned char *at, const unsigned char *
     return count;
 }
 
-/* The msgpack array at `at` of integers in [0, 2^32) as little-endian u32 bytes; *end set
- * past the array.  NULL with ValueError naming the first bad item; *truncated set when the
- * array runs past `stop` (malformed msgpack rather than a bad id). */
-static PyObject *u32_array(const unsigned char *at, const unsigned char *stop, const unsigned char **end,
-                           int *truncated) {
-    const Py_ssize_t count = u32_array_count(at, stop, &at, truncated);
-    if (count < 0) {
-        return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
-    if (out == NULL) {
-        return NULL;
-    }
-    if (u32_items(at, stop, 0, count, (uint32_t *)PyBytes_AS_STRING(out), end, truncated) != 0) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    return out;
-}
-
-/* u32_from_msgpack(raw) -> bytes
- *
- * One msgpack array of integers in [0, 2^32) (the encoded `token_ids` of a /query body)
- * as little-endian u32 bytes, without a Python int per id.  ValueError naming the first
- * bad item's index; the array must fill `raw` exactly. */
-static PyObject *native_u32_from_msgpack(PyObject *self, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) {
-        return NULL;
-    }
-    const unsigned char *stop = (const unsigned char *)view.buf + view.len;
-    const unsigned char *end = NULL;
-    int truncated;
-    PyObject *out = u32_array(view.buf, stop, &end, &truncated);
-    if (out != NULL && end != stop) {
-        PyErr_SetString(PyExc_ValueError, "token_ids: trailing bytes after the array");
-        Py_CLEAR(out);
-    }
-    PyBuffer_Release(&view);
-    return out;
-}
-
-/* u32_count_msgpack(raw) -> int
- *
- * The length of one msgpack array of integers in [0, 2^32) (a stored event's `token_ids` as
- * received), every item checked as u32_from_msgpack checks it, nothing allocated: the
- * adapter's decoder keeps the ids as those bytes (wire.MsgpackIds) and reads them into u32
- * only when the index hashes them.  ValueError as u32_from_msgpack's. */
-static PyObject *native_u32_count_msgpack(PyObject *self, PyObject *arg) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) != 0) {
-        return NULL;
-    }
-    const unsigned char *at = view.buf;
-    const unsigned char *stop = at + view.len;
-    Py_ssize_t count = -1;
-    if (view.len >= 1 && (at[0] & 0xf0) == 0x90) {
-        count = at[0] & 0x0f;
-        at += 1;
-    } else if (view.len >= 3 && at[0] == 0xdc) {
-        count = (Py_ssize_t)read_be(at + 1, 2);
-        at += 3;
-    } else if (view.len >= 5 && at[0] == 0xdd) {
-        count = (Py_ssize_t)read_be(at + 1, 4);
-        at += 5;
-    }
-    PyObject *out = NULL;
-    if (count < 0) {
-        PyErr_SetString(PyExc_ValueError, "token_ids must be an array");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint32_t value;
-        const Py_ssize_t taken = at < stop ? msgpack_u32(at, stop, &value) : 0;
-        if (taken == 0) {
-            PyErr_Format(PyExc_ValueError, "token_ids[%zd] must be an integer in [0, 2^32)", i);
-            goto done;
-        }
-        at += taken;
-    }
-    if (at != stop) {
-        PyErr_SetString(PyExc_ValueError, "token_ids: trailing bytes after the array");
-        goto done;
-    }
-    out = PyLong_FromSsize_t(count);
-done:
-    PyBuffer_Release(&view);
-    return out;
-}
-
 /* The end of the msgpack value starting at `at`, or NULL when it is malformed or runs past
  * `stop`.  Iterative: containers add their items to the count still to skip. */
 static const unsigned char *msgpack_skip(const unsigned char *at, const unsigned char *stop) {
@@ -565,17 +475,4 @@ static const unsigned char *msgpack_skip(const unsigned char *at, const unsigned
         at += length;
     }
     return at;
-}
-
-/* Whether the msgpack value from `at` to `end` is the string `name`. */
-static int msgpack_str_equals(const unsigned char *at, const unsigned char *end, const char *name, size_t name_len) {
-    size_t header = 0;
-    if ((at[0] & 0xe0) == 0xa0) {
-        header = 1;
-    } else if (at[0] == 0xd9) {
-        header = 2;
-    } else {
-        return 0; /* not a string (or a str16/32: no field name is that long) */
-    }
-    return (size_t)(end - at) == header + name_len && memcmp(at + header, name, name_len) == 0;
 }
