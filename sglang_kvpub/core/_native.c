@@ -23,6 +23,7 @@
 #include "rank_cost.h"
 
 #include "csrc/hash.c"
+#include "csrc/u64_table.c"
 #include "csrc/keymasks.c"
 #include "csrc/walk.c"
 #include "csrc/msgpack_ids.c"

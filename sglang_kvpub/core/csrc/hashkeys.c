@@ -15,107 +15,14 @@
  * lists in table order. */
 
 typedef struct {
-    uint64_t key; /* 0: empty (engine hash 0 lives in zero_value) */
-    uint64_t value;
-} hk_slot;
-
-typedef struct {
-    PyObject_HEAD hk_slot *slots;
-    size_t capacity; /* a power of two, or 0 */
-    size_t used;     /* slots in use (engine hash 0 not counted) */
-    int shift;       /* 64 - log2(capacity) */
-    int has_zero;
-    uint64_t zero_value;
+    PyObject_HEAD u64_table table;
 } HashKeysObject;
 
 static PyTypeObject HashKeysType;
 
 #define HASHKEYS_MIN_CAPACITY 8
 
-static inline size_t hk_home(uint64_t key, int shift) { return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> shift); }
-
-static Py_ssize_t hk_len(const HashKeysObject *map) { return (Py_ssize_t)(map->used + (map->has_zero ? 1 : 0)); }
-
-/* The slot holding `key` (non-zero), or NULL. */
-static hk_slot *hk_find(const HashKeysObject *map, uint64_t key) {
-    if (map->capacity == 0) {
-        return NULL;
-    }
-    const size_t mask = map->capacity - 1;
-    for (size_t i = hk_home(key, map->shift);; i = (i + 1) & mask) {
-        hk_slot *slot = &map->slots[i];
-        if (slot->key == key) {
-            return slot;
-        }
-        if (slot->key == 0) {
-            return NULL;
-        }
-    }
-}
-
-/* Inserts a non-zero key known to be absent; the table has room (hk_reserve). */
-static void hk_insert_new(HashKeysObject *map, uint64_t key, uint64_t value) {
-    const size_t mask = map->capacity - 1;
-    size_t i = hk_home(key, map->shift);
-    while (map->slots[i].key != 0) {
-        i = (i + 1) & mask;
-    }
-    map->slots[i].key = key;
-    map->slots[i].value = value;
-    map->used++;
-}
-
-/* Removes the entry in `slot`, shifting the run after it back. */
-static void hk_remove_slot(HashKeysObject *map, hk_slot *slot) {
-    const size_t mask = map->capacity - 1;
-    size_t hole = (size_t)(slot - map->slots);
-    for (size_t next = (hole + 1) & mask; map->slots[next].key != 0; next = (next + 1) & mask) {
-        const size_t home = hk_home(map->slots[next].key, map->shift);
-        /* The entry at `next` may fill the hole unless its home lies cyclically in (hole, next]. */
-        const int stays = hole <= next ? (home > hole && home <= next) : (home > hole || home <= next);
-        if (!stays) {
-            map->slots[hole] = map->slots[next];
-            hole = next;
-        }
-    }
-    map->slots[hole].key = 0;
-    map->slots[hole].value = 0;
-    map->used--;
-}
-
-/* Room for `extra` more table entries at a load of at most 0.75; -1 with MemoryError. */
-static int hk_reserve(HashKeysObject *map, size_t extra) {
-    const size_t need = map->used + extra;
-    if (need * 4 <= map->capacity * 3) {
-        return 0;
-    }
-    size_t capacity = map->capacity ? map->capacity : HASHKEYS_MIN_CAPACITY;
-    while (need * 4 > capacity * 3) {
-        capacity *= 2;
-    }
-    hk_slot *fresh = PyMem_Calloc(capacity, sizeof(hk_slot)); /* PyMem: tracemalloc sees it */
-    if (fresh == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    hk_slot *old = map->slots;
-    const size_t old_capacity = map->capacity;
-    int shift = 64;
-    for (size_t c = capacity; c > 1; c >>= 1) {
-        shift--;
-    }
-    map->slots = fresh;
-    map->capacity = capacity;
-    map->shift = shift;
-    map->used = 0;
-    for (size_t i = 0; i < old_capacity; i++) {
-        if (old[i].key != 0) {
-            hk_insert_new(map, old[i].key, old[i].value);
-        }
-    }
-    PyMem_Free(old);
-    return 0;
-}
+static Py_ssize_t hk_len(const HashKeysObject *map) { return (Py_ssize_t)u64_len(&map->table); }
 
 /* An int in [0, 2^64) as a u64: 1; any other int: 0 (no error set); not an int: -1 with
  * TypeError. */
@@ -150,58 +57,13 @@ static int hk_u64_strict(PyObject *value, uint64_t *out) {
 static int hk_lookup(const HashKeysObject *map, PyObject *key, uint64_t *value) {
     uint64_t raw;
     const int ok = hk_u64(key, &raw);
-    if (ok <= 0) {
-        return ok;
-    }
-    if (raw == 0) {
-        *value = map->zero_value;
-        return map->has_zero;
-    }
-    const hk_slot *slot = hk_find(map, raw);
-    if (slot == NULL) {
-        return 0;
-    }
-    *value = slot->value;
-    return 1;
+    return ok <= 0 ? ok : u64_get(&map->table, raw, value);
 }
 
-static int hk_set(HashKeysObject *map, uint64_t key, uint64_t value) {
-    if (key == 0) {
-        map->has_zero = 1;
-        map->zero_value = value;
-        return 0;
-    }
-    hk_slot *slot = hk_find(map, key);
-    if (slot != NULL) {
-        slot->value = value;
-        return 0;
-    }
-    if (hk_reserve(map, 1) != 0) {
-        return -1;
-    }
-    hk_insert_new(map, key, value);
-    return 0;
-}
+static int hk_set(HashKeysObject *map, uint64_t key, uint64_t value) { return u64_set(&map->table, key, value); }
 
 /* Removes `key`: 1 and *value set when it was there, 0 when absent. */
-static int hk_take(HashKeysObject *map, uint64_t key, uint64_t *value) {
-    if (key == 0) {
-        if (!map->has_zero) {
-            return 0;
-        }
-        *value = map->zero_value;
-        map->has_zero = 0;
-        map->zero_value = 0;
-        return 1;
-    }
-    hk_slot *slot = hk_find(map, key);
-    if (slot == NULL) {
-        return 0;
-    }
-    *value = slot->value;
-    hk_remove_slot(map, slot);
-    return 1;
-}
+static int hk_take(HashKeysObject *map, uint64_t key, uint64_t *value) { return u64_take(&map->table, key, value); }
 
 static Py_ssize_t hashkeys_length(PyObject *self) { return hk_len((HashKeysObject *)self); }
 
@@ -289,19 +151,20 @@ static PyObject *hk_list(const HashKeysObject *map, int what) {
         return NULL;
     }
     Py_ssize_t at = 0;
-    for (size_t i = 0; i <= map->capacity; i++) {
+    const u64_table *t = &map->table;
+    for (size_t i = 0; i <= t->capacity; i++) {
         uint64_t key, value;
-        if (i == map->capacity) { /* engine hash 0 last */
-            if (!map->has_zero) {
+        if (i == t->capacity) { /* engine hash 0 last */
+            if (!t->has_zero) {
                 break;
             }
             key = 0;
-            value = map->zero_value;
-        } else if (map->slots[i].key == 0) {
+            value = t->zero_value;
+        } else if (t->slots[i].key == 0) {
             continue;
         } else {
-            key = map->slots[i].key;
-            value = map->slots[i].value;
+            key = t->slots[i].key;
+            value = t->slots[i].value;
         }
         PyObject *item;
         if (what == HK_KEYS) {
@@ -342,18 +205,8 @@ static PyObject *hashkeys_iter(PyObject *self) {
     return it;
 }
 
-static void hk_drop_table(HashKeysObject *map) {
-    PyMem_Free(map->slots);
-    map->slots = NULL;
-    map->capacity = 0;
-    map->used = 0;
-    map->shift = 64;
-    map->has_zero = 0;
-    map->zero_value = 0;
-}
-
 static PyObject *hashkeys_clear(PyObject *self, PyObject *unused) {
-    hk_drop_table((HashKeysObject *)self);
+    u64_drop(&((HashKeysObject *)self)->table);
     Py_RETURN_NONE;
 }
 
@@ -393,19 +246,19 @@ static PyObject *hashkeys_add_new(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    if (hk_reserve(map, (size_t)n) != 0) {
+    if (u64_reserve(&map->table, (size_t)n) != 0) {
         goto done;
     }
     for (; added < n; added++) {
         const uint64_t key = raw[2 * added];
-        if (key == 0 ? map->has_zero : hk_find(map, key) != NULL) {
+        if (key == 0 ? map->table.has_zero : u64_find(&map->table, key) != NULL) {
             break; /* present, or a repeat within `hashes` */
         }
         if (key == 0) {
-            map->has_zero = 1;
-            map->zero_value = raw[2 * added + 1];
+            map->table.has_zero = 1;
+            map->table.zero_value = raw[2 * added + 1];
         } else {
-            hk_insert_new(map, key, raw[2 * added + 1]);
+            u64_insert_new(&map->table, key, raw[2 * added + 1]);
         }
     }
     if (added == n) {
@@ -426,11 +279,11 @@ done:
 
 static PyObject *hashkeys_sizeof(PyObject *self, PyObject *unused) {
     const HashKeysObject *map = (const HashKeysObject *)self;
-    return PyLong_FromSize_t(sizeof(HashKeysObject) + map->capacity * sizeof(hk_slot));
+    return PyLong_FromSize_t(sizeof(HashKeysObject) + map->table.capacity * sizeof(u64_slot));
 }
 
 static PyObject *hashkeys_capacity(PyObject *self, PyObject *unused) {
-    return PyLong_FromSize_t(((HashKeysObject *)self)->capacity);
+    return PyLong_FromSize_t(((HashKeysObject *)self)->table.capacity);
 }
 
 static PyObject *hashkeys_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
@@ -440,13 +293,13 @@ static PyObject *hashkeys_new(PyTypeObject *type, PyObject *args, PyObject *kwar
     }
     HashKeysObject *map = (HashKeysObject *)type->tp_alloc(type, 0);
     if (map != NULL) {
-        map->shift = 64;
+        u64_table_init(&map->table, 3, 4, HASHKEYS_MIN_CAPACITY, 0);
     }
     return (PyObject *)map;
 }
 
 static void hashkeys_dealloc(PyObject *self) {
-    hk_drop_table((HashKeysObject *)self);
+    u64_drop(&((HashKeysObject *)self)->table);
     Py_TYPE(self)->tp_free(self);
 }
 

@@ -38,151 +38,28 @@ static int holders_within(PyObject *value, uint64_t held, uint64_t *kept) {
  * clear); the writes that would bypass it (update, setdefault, popitem, |=) raise. */
 
 typedef struct {
-    uint64_t key;
-    uint64_t held; /* 0: empty slot (a key whose low 64 bits hold no worker is not kept) */
-} key_slot;
-
-typedef struct {
     PyDictObject dict;
-    key_slot *slots;
-    size_t capacity; /* a power of two, or 0 */
-    size_t used;
-    int shift; /* 64 - log2(capacity) */
+    u64_table table; /* key -> the low 64 worker bits of its holders; 0 bits: not kept */
 } KeyMasksObject;
 
 static PyTypeObject KeyMasksType;
 
 #define KEYMASKS_MIN_CAPACITY 64
 
-static inline size_t slot_home(uint64_t key, int shift) { return (size_t)((key * 0x9E3779B97F4A7C15ULL) >> shift); }
-
 /* Blocks hashed ahead of their probe in npu_walk's table path. */
 #define WALK_AHEAD 8
 
-static inline void keymasks_prefetch(const KeyMasksObject *table, uint64_t key) {
-    if (table->capacity != 0) {
-        __builtin_prefetch(&table->slots[slot_home(key, table->shift)]);
-    }
+static inline void keymasks_prefetch(const KeyMasksObject *masks, uint64_t key) { u64_prefetch(&masks->table, key); }
+
+/* The low 64 worker bits held for `key`, 0 for none. */
+static inline uint64_t keymasks_lookup(const KeyMasksObject *masks, uint64_t key) {
+    uint64_t held = 0;
+    return u64_get(&masks->table, key, &held) ? held : 0;
 }
 
-static uint64_t keymasks_lookup(const KeyMasksObject *table, uint64_t key) {
-    if (table->capacity == 0) {
-        return 0;
-    }
-    const size_t mask = table->capacity - 1;
-    for (size_t i = slot_home(key, table->shift);; i = (i + 1) & mask) {
-        const key_slot *slot = &table->slots[i];
-        if (slot->held == 0) {
-            return 0;
-        }
-        if (slot->key == key) {
-            return slot->held;
-        }
-    }
-}
-
-/* Inserts or replaces; the table has room (see keymasks_reserve). */
-static void keymasks_put(KeyMasksObject *table, uint64_t key, uint64_t held) {
-    const size_t mask = table->capacity - 1;
-    for (size_t i = slot_home(key, table->shift);; i = (i + 1) & mask) {
-        key_slot *slot = &table->slots[i];
-        if (slot->held == 0) {
-            slot->key = key;
-            slot->held = held;
-            table->used++;
-            return;
-        }
-        if (slot->key == key) {
-            slot->held = held;
-            return;
-        }
-    }
-}
-
-/* Removes `key` if present, shifting the run after it back (no tombstones). */
-static void keymasks_remove(KeyMasksObject *table, uint64_t key) {
-    if (table->capacity == 0) {
-        return;
-    }
-    const size_t mask = table->capacity - 1;
-    size_t hole = slot_home(key, table->shift);
-    for (;; hole = (hole + 1) & mask) {
-        if (table->slots[hole].held == 0) {
-            return;
-        }
-        if (table->slots[hole].key == key) {
-            break;
-        }
-    }
-    for (size_t next = (hole + 1) & mask; table->slots[next].held != 0; next = (next + 1) & mask) {
-        const size_t home = slot_home(table->slots[next].key, table->shift);
-        /* The entry at `next` may fill the hole unless its home lies cyclically in (hole, next]. */
-        const int stays = hole <= next ? (home > hole && home <= next) : (home > hole || home <= next);
-        if (!stays) {
-            table->slots[hole] = table->slots[next];
-            hole = next;
-        }
-    }
-    table->slots[hole].held = 0;
-    table->slots[hole].key = 0;
-    table->used--;
-}
-
-#define HUGE_PAGE (2u << 20)
-
-/* Zeroed slots; a table of 2 MiB or more is aligned to and advised for huge pages, so a
- * probe costs a cache miss and not a TLB miss as well. */
-static key_slot *table_alloc(size_t capacity) {
-    const size_t bytes = capacity * sizeof(key_slot);
-    void *memory = NULL;
-    if (posix_memalign(&memory, bytes >= HUGE_PAGE ? HUGE_PAGE : 64, bytes) != 0) {
-        return NULL;
-    }
-#ifdef MADV_HUGEPAGE
-    if (bytes >= HUGE_PAGE) {
-        (void)madvise(memory, bytes, MADV_HUGEPAGE); /* advice only: THP may be off */
-    }
-#endif
-    memset(memory, 0, bytes);
-    return memory;
-}
-
-/* Room for one more entry at a load of at most 0.7; -1 with MemoryError. */
-static int keymasks_reserve(KeyMasksObject *table) {
-    if ((table->used + 1) * 10 <= table->capacity * 7) {
-        return 0;
-    }
-    const size_t capacity = table->capacity ? table->capacity * 2 : KEYMASKS_MIN_CAPACITY;
-    key_slot *fresh = table_alloc(capacity);
-    if (fresh == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    key_slot *old = table->slots;
-    const size_t old_capacity = table->capacity;
-    int shift = 64;
-    for (size_t c = capacity; c > 1; c >>= 1) {
-        shift--;
-    }
-    table->slots = fresh;
-    table->capacity = capacity;
-    table->shift = shift;
-    table->used = 0;
-    for (size_t i = 0; i < old_capacity; i++) {
-        if (old[i].held != 0) {
-            keymasks_put(table, old[i].key, old[i].held);
-        }
-    }
-    free(old);
-    return 0;
-}
-
-static void keymasks_drop_table(KeyMasksObject *table) {
-    free(table->slots);
-    table->slots = NULL;
-    table->capacity = 0;
-    table->used = 0;
-    table->shift = 64;
+static void keymasks_remove(KeyMasksObject *masks, uint64_t key) {
+    uint64_t ignored;
+    (void)u64_take(&masks->table, key, &ignored);
 }
 
 /* The key as a u64; TypeError / OverflowError for anything else (the index's keys are u64). */
@@ -216,15 +93,18 @@ static int keymasks_ass_sub(PyObject *self, PyObject *key, PyObject *value) {
         PyErr_Format(PyExc_TypeError, "KeyMasks values are int holders, got %.100s", Py_TYPE(value)->tp_name);
         return -1;
     }
+    if (table->table.load_den == 0) { /* the table's settings, at its first write (dict's new zeroes them) */
+        u64_table_init(&table->table, 7, 10, KEYMASKS_MIN_CAPACITY, 1);
+    }
     uint64_t held;
-    if (holders_within(value, ~(uint64_t)0, &held) != 0 || (held != 0 && keymasks_reserve(table) != 0)) {
+    if (holders_within(value, ~(uint64_t)0, &held) != 0 || (held != 0 && u64_reserve(&table->table, 1) != 0)) {
         return -1;
     }
     if (PyDict_SetItem(self, key, value) != 0) {
         return -1;
     }
     if (held != 0) {
-        keymasks_put(table, raw, held);
+        (void)u64_set(&table->table, raw, held); /* room reserved above: no allocation */
     } else {
         keymasks_remove(table, raw);
     }
@@ -262,7 +142,7 @@ static PyObject *keymasks_pop(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 static PyObject *keymasks_clear(PyObject *self, PyObject *unused) {
     PyDict_Clear(self);
-    keymasks_drop_table((KeyMasksObject *)self);
+    u64_drop(&((KeyMasksObject *)self)->table);
     Py_RETURN_NONE;
 }
 
@@ -285,7 +165,7 @@ static PyObject *keymasks_sizeof(PyObject *self, PyObject *unused) {
     }
     const KeyMasksObject *table = (const KeyMasksObject *)self;
     return PyLong_FromSsize_t(dict_bytes + (Py_ssize_t)(sizeof(KeyMasksObject) - sizeof(PyDictObject)) +
-                              (Py_ssize_t)(table->capacity * sizeof(key_slot)));
+                              (Py_ssize_t)(table->table.capacity * sizeof(u64_slot)));
 }
 
 /* table_get(key) -> the low 64 worker bits the table holds for `key` (0: none); for tests. */
@@ -298,7 +178,7 @@ static PyObject *keymasks_table_get(PyObject *self, PyObject *key) {
 }
 
 static PyObject *keymasks_table_len(PyObject *self, PyObject *unused) {
-    return PyLong_FromSize_t(((KeyMasksObject *)self)->used);
+    return PyLong_FromSize_t(u64_len(&((KeyMasksObject *)self)->table));
 }
 
 static int keymasks_init(PyObject *self, PyObject *args, PyObject *kwargs) {
@@ -310,7 +190,7 @@ static int keymasks_init(PyObject *self, PyObject *args, PyObject *kwargs) {
 }
 
 static void keymasks_dealloc(PyObject *self) {
-    keymasks_drop_table((KeyMasksObject *)self);
+    u64_drop(&((KeyMasksObject *)self)->table);
     PyDict_Type.tp_dealloc(self);
 }
 
