@@ -31,6 +31,8 @@ __all__ = ["NATIVE", "Effects", "RankStatic", "RankTable", "Rendered", "effects"
 
 NATIVE: Any = native.MODULE  # the router's C helpers, or None (the reference answers)
 
+_COUNTS_MAX = 256  # counted-instance tuples remembered per walk result
+Adds = tuple[tuple[Any, int], ...]  # (a counter's series, the amount added) pairs
 # (adds of the instance-hit counters, the scored-tokens counter's series or None) of one rank
 Cells = tuple[tuple[tuple[Any, int], ...], Any]
 
@@ -80,7 +82,7 @@ class RankTable:
     ``(rank, npu, cpu, disk)`` hits), and the metrics cells of each instance's ranks
     (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
 
-    __slots__ = ("all_hits", "best", "board", "cells", "resolve")
+    __slots__ = ("all_hits", "best", "board", "cells", "counts", "resolve")
 
     def __init__(
         self,
@@ -108,6 +110,9 @@ class RankTable:
             ).tobytes()
         self.board = bytes(board)
         self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in static.names)
+        # An answer's counted instances -> (their hit adds, their scored-token adds): answers of
+        # one walk result name few distinct rank choices, so a new prompt's resolves none.
+        self.counts: dict[tuple[tuple[int, int, int], ...], tuple[Adds, Adds]] = {}
         self.resolve = lambda i, rank: resolve(self, i, rank)
 
 
@@ -152,16 +157,21 @@ def effects(
     answer names (:meth:`RankLoadBook.commit`) - the same calls, in the same order, as the
     reference's answer makes."""
     chosen, rank, tokens, counted = plan
-    hits: list[tuple[Any, int]] = []
-    scored: list[tuple[Any, int]] = []
-    for i, at, matched in counted:
-        cells = table.cells[i].get(at)
-        if cells is None:
-            cells = table.cells[i][at] = table.resolve(i, at)
-        hits.extend(cells[0])
-        if matched > 0 and cells[1] is not None:
-            scored.append((cells[1], matched))
-    hit_adds, scored_adds = tuple(hits), tuple(scored)
+    found = table.counts.get(counted)
+    if found is None:
+        hits: list[tuple[Any, int]] = []
+        scored: list[tuple[Any, int]] = []
+        for i, at, matched in counted:
+            cells = table.cells[i].get(at)
+            if cells is None:
+                cells = table.cells[i][at] = table.resolve(i, at)
+            hits.extend(cells[0])
+            if matched > 0 and cells[1] is not None:
+                scored.append((cells[1], matched))
+        if len(table.counts) >= _COUNTS_MAX:
+            table.counts.clear()
+        found = table.counts[counted] = (tuple(hits), tuple(scored))
+    hit_adds, scored_adds = found
     stream, commit = static.streams[chosen], book.commit
 
     def make(prompt: int) -> None:
