@@ -325,8 +325,12 @@ static int text_rank(text_t *t, long long rank) { return rank < 0 ? TEXT_LIT(t, 
 
 /* round(v, 1) as msgspec writes it: CPython's correctly rounded one-decimal form ("%.1f"
  * through PyOS_double_to_string), which is the shortest repr of round(v, 1) below
- * EXACT_FLOAT_MAX (v checked finite and below it by the caller). */
+ * EXACT_FLOAT_MAX (v checked finite and below it by the caller).  A whole number (loads are
+ * token counts) is its integer's digits and ".0", exactly what that form is for it. */
 static int text_round1(text_t *t, double v) {
+    if (v == trunc(v) && !(v == 0.0 && signbit(v))) { /* a whole number (|v| < 1e15): its digits and ".0" */
+        return text_int(t, (long long)v) || TEXT_LIT(t, ".0");
+    }
     char *text = PyOS_double_to_string(v, 'f', 1, 0, NULL);
     if (text == NULL) {
         return -1;
