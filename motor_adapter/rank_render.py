@@ -47,8 +47,9 @@ class RankStatic(NamedTuple):
 
 
 # What the answer makes the caller do: the chosen instance, the commit's rank (-1: none) and
-# tokens, and (instance, rank, matched) of each instance whose scored rank holds a hit.
-Plan = tuple[int, int, int, tuple[tuple[int, int, int], ...]]
+# tokens, and (instance, rank, matched) of each instance whose scored rank holds a hit, as
+# native int64 triples in one bytes object.
+Plan = tuple[int, int, int, bytes]
 # The helper's answer, a plain tuple (no object more per answer): its JSON, the largest hit's
 # blocks (for the query's hit-blocks metric), until when it holds while the book does not change
 # (monotonic: the first fresh instance going stale), and its :data:`Plan`.
@@ -112,7 +113,7 @@ class RankTable:
         self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in static.names)
         # An answer's counted instances -> (their hit adds, their scored-token adds): answers of
         # one walk result name few distinct rank choices, so a new prompt's resolves none.
-        self.counts: dict[tuple[tuple[int, int, int], ...], tuple[Adds, Adds]] = {}
+        self.counts: dict[bytes, tuple[Adds, Adds]] = {}
         self.resolve = lambda i, rank: resolve(self, i, rank)
 
 
@@ -161,7 +162,9 @@ def effects(
     if found is None:
         hits: list[tuple[Any, int]] = []
         scored: list[tuple[Any, int]] = []
-        for i, at, matched in counted:
+        triples = array("q", counted)
+        for k in range(0, len(triples), 3):
+            i, at, matched = triples[k], triples[k + 1], triples[k + 2]
             cells = table.cells[i].get(at)
             if cells is None:
                 cells = table.cells[i][at] = table.resolve(i, at)

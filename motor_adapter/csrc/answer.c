@@ -576,27 +576,27 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
         goto fail;
     }
     /* The effects: the chosen instance, the commit's rank (-1: none) and tokens, then
-     * (instance, rank, matched) of each instance counted: a hit on its scored rank. */
+     * (instance, rank, matched) of each instance counted - a hit on its scored rank - as
+     * native int64 triples in one bytes object (rank_render.effects reads them with array). */
     json = PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len);
     Py_ssize_t hits = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         hits += scored[i].rank >= 0 && scored[i].has_hit; /* matched > 0 needs a hit */
     }
-    counted = json != NULL ? PyTuple_New(hits) : NULL;
+    counted = json != NULL ? PyBytes_FromStringAndSize(NULL, hits * 3 * (Py_ssize_t)sizeof(long long)) : NULL;
     if (counted == NULL) {
         goto fail;
     }
     long long best_blocks = 0;
+    long long *triples = (long long *)PyBytes_AS_STRING(counted);
     for (Py_ssize_t i = 0, k = 0; i < n; i++) {
         const scored_t *s = &scored[i];
         if (s->rank < 0 || !s->has_hit) {
             continue;
         }
-        PyObject *item = Py_BuildValue("(nLL)", i, s->rank, s->matched);
-        if (item == NULL) {
-            goto fail;
-        }
-        PyTuple_SET_ITEM(counted, k++, item);
+        triples[k++] = i;
+        triples[k++] = s->rank;
+        triples[k++] = s->matched;
         const long long total = s->npu + s->cpu + s->disk;
         best_blocks = total > best_blocks ? total : best_blocks;
     }
