@@ -77,7 +77,11 @@ class Target:
         return bench == self.bench and all(record.get(key) == value for key, value in self.where)
 
     def check(self, record: dict[str, Any]) -> tuple[Any, bool | None]:
+        """The figure and whether it meets the bound: None when either is missing, or when the
+        record says it did not measure what the target bounds (``not_measured``)."""
         value = record.get(self.figure)
+        if record.get("not_measured"):
+            return value, None
         bound = record.get(self.limit) if isinstance(self.limit, str) else self.limit
         if not isinstance(value, (int, float)) or not isinstance(bound, (int, float)):
             return value, None
@@ -168,5 +172,5 @@ def with_targets(record: dict[str, Any], targets: Sequence[Target] = TARGETS) ->
             value, met = target.check(record)
             checked.append({"figure": target.figure, "target": target.describe(), "value": value, "met": met})
     record["targets"] = checked
-    record["target_met"] = all(item["met"] for item in checked) if checked else None
+    record["target_met"] = None if not checked or record.get("not_measured") else all(item["met"] for item in checked)
     return record

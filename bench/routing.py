@@ -15,8 +15,8 @@ Model (every choice below is a documented default, overridable on the command li
   blocks. Block i (id b) is split into 4 pages of 128 tokens; page j of block i gets the prefix-chained key
   hash((key of the previous page, b, j)), so two prompts share page keys exactly as long as they share their
   prefix. Only full pages are cached (SGLang caches whole pages).
-- Cluster: P instances x R ranks, each rank a `RankCache` (sglang_kvpub/core/sim_cache.py: finite capacity in pages, LRU
-  eviction of unreferenced leaves) and a FIFO single-server queue. Default capacity 4096 pages (512k tokens) per
+- Cluster: P instances x R ranks, each rank a `RankCache` (sglang_kvpub/tools/sim_cache.py: finite capacity in pages,
+  LRU eviction of unreferenced leaves) and a FIFO single-server queue. Default capacity 4096 pages (512k tokens) per
   rank: 2 x 16 x 4096 = 131k pages, about 18% of the conversation trace's 731k distinct pages, so the working
   set does not fit and eviction matters.
 - Prefill time = uncached tokens / rank throughput. Default throughput 5000/7 = 714 tokens/s per rank, from the
@@ -127,7 +127,7 @@ from sglang_kvpub.config import PluginConfig  # noqa: E402
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher  # noqa: E402
 from sglang_kvpub.core.hashing import sequence_keys  # noqa: E402
 from sglang_kvpub.core.rank_cost import spread_key  # noqa: E402
-from sglang_kvpub.core.sim_cache import RankCache  # noqa: E402
+from sglang_kvpub.tools.sim_cache import RankCache  # noqa: E402
 
 TRACE_BLOCK_TOKENS = 512
 PAGE_SIZE = 128

@@ -262,7 +262,7 @@ def target_rows(report: dict[str, Any]) -> list[str]:
         label = target.figure + "".join(f" ({value})" for _, value in target.where)
         for record in records[:1]:
             value, met = target.check(record)
-            verdict = {True: "yes", False: "**no**", None: "?"}[met]
+            verdict = "not measured" if record.get("not_measured") else {True: "yes", False: "**no**", None: "?"}[met]
             lines.append(f"| {target.bench} | {label} | {_cell(value)} | {target.describe()} | {verdict} |")
         if not records:
             lines.append(f"| {target.bench} | {label} | - | {target.describe()} | not run |")

@@ -38,6 +38,11 @@ Measured while it ingests, from this (driver) process:
   turned over many times), the state an adapter runs in.
 - ``ingest_cpu_pct``: the adapter's whole CPU over the measurement (all threads), and the
   generator's achieved batch rate against the offered one (``generator_keeps_up``).
+- Capacity, each side from its own CPU per batch: ``adapter_capacity_batches_per_s`` (one
+  core of ingest at ``ingest_cpu_us_per_batch``) and ``adapter_capacity_instances`` beside
+  ``generator_capacity_batches_per_s``.  A row whose generator fell behind carries
+  ``not_measured`` (the reason) and its targets neither met nor failed: the generator, not
+  the adapter, set its pace.
 
     python bench/scale.py [--instances 25,50,100,150,200] [--rank-blocks 1000] [--rounds 4]
 """
@@ -73,6 +78,7 @@ MODEL = "scale-model"
 SYSTEM_PAGES = 8
 BUDGET_BYTES = 144  # the issue's budget per (worker, block) entry; the estimate is the index's own account
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+GENERATOR_BUSY_PCT = 85.0  # of one core: past it the generator's own loop delays what it sends
 
 # The adapter: `motor-kv-adapter serve`'s own entry point, its app given a /noop route first,
 # and /bench-memory: its RSS, allocators (bench/memory.py) and the indexes' own account.
@@ -238,6 +244,7 @@ def _generator_main(args: dict[str, Any], conn: Any) -> None:
                         "achieved_batches_per_s": round(sent["batches"] / elapsed, 1) if elapsed else 0.0,
                         "block_events_per_s": round(sent["blocks"] / elapsed) if elapsed else 0,
                         "entries": entries(),
+                        "batches": sent["batches"],
                         "cpu_s": time.process_time(),
                     }
                 )
@@ -546,6 +553,7 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
                 "generator_cpu_pct": generator_cpu_pct,
             }
         )
+        record.update(_capacity(record, gen["batches"], gen["cpu_s"] - gen_cpu_before, args.rps_per_rank))
         return record
     finally:
         with contextlib.suppress(Exception):
@@ -566,9 +574,16 @@ def run_level(instances: int, args: argparse.Namespace) -> dict[str, Any]:
 _STEADY_FIGURES = ("index_entries", "estimate_bytes_per_entry", "rss_over_estimate", "rss_bytes_per_entry")
 
 
+def _ratio(num: float, den: float, digits: int) -> float | None:
+    """``num / den`` rounded, or None (no figure) when there is nothing to divide by."""
+    return round(num / den, digits) if den else None
+
+
 def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -> dict[str, Any]:
     """The adapter's RSS growth over the fill against the index's own account of its bytes
-    (for this workload) and the issue's budget per entry; the growth split by allocator."""
+    (for this workload) and the issue's budget per entry; the growth split by allocator.  An
+    empty index (no entries, or none in the index's account) gives None for the per-entry
+    figures: no figure rather than a crash or a 0 a target would read as met."""
     grown = full["rss"] - empty["rss"]
     estimate = full["index_bytes"]
     return {
@@ -576,16 +591,44 @@ def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -
         "index_entries": full["index_entries"],
         "rss_index_mb": round(grown / 2**20, 1),
         "rss_estimate_mb": round(estimate / 2**20, 1),
-        "estimate_bytes_per_entry": round(estimate / entries, 1),
-        "rss_over_estimate": round(grown / estimate, 3),
-        "rss_bytes_per_entry": round(grown / entries, 1),
+        "estimate_bytes_per_entry": _ratio(estimate, entries, 1),
+        "rss_over_estimate": _ratio(grown, estimate, 3),
+        "rss_bytes_per_entry": _ratio(grown, entries, 1),
         "budget_bytes_per_entry": BUDGET_BYTES,
         **{
-            f"{name}_per_entry": round((full[name] - empty[name]) / entries, 1)
+            f"{name}_per_entry": _ratio(full[name] - empty[name], entries, 1)
             for name in ("pymalloc_used", "pymalloc_arena_bytes", "malloc_in_use", "malloc_free", "malloc_mmapped")
             if name in full and name in empty
         },
     }
+
+
+def _capacity(record: dict[str, Any], gen_batches: int, gen_cpu_s: float, rps_per_rank: float) -> dict[str, Any]:
+    """What each side could sustain on one core, from its own CPU per batch: the adapter's
+    ingest threads per batch applied, the generator's process per batch sent.  Beside the
+    offered rate they tell which side a row measured: a generator that fell behind (sent
+    under 95 % of the offered batches, or ran at ``GENERATOR_BUSY_PCT`` of its core or more,
+    where its fan-ins' sends and the lag probes queue behind its own loop) makes the row
+    say nothing about the adapter, so the row is marked not measured rather than met or failed."""
+    adapter_us = record.get("ingest_cpu_us_per_batch")
+    gen_us = round(gen_cpu_s / gen_batches * 1e6, 1) if gen_batches else None
+    per_instance = rps_per_rank * RANKS  # batches/s one instance offers
+    out: dict[str, Any] = {
+        "adapter_capacity_batches_per_s": round(1e6 / adapter_us) if adapter_us else None,
+        "adapter_capacity_instances": round(1e6 / adapter_us / per_instance, 1) if adapter_us else None,
+        "generator_cpu_us_per_batch": gen_us,
+        "generator_capacity_batches_per_s": round(1e6 / gen_us) if gen_us else None,
+    }
+    reasons = []
+    if not record["generator_keeps_up"]:
+        reasons.append(
+            f"the generator sent {record['achieved_batches_per_s']} of {record['offered_batches_per_s']} batches/s"
+        )
+    if record["generator_cpu_pct"] >= GENERATOR_BUSY_PCT:
+        reasons.append(f"the generator ran at {record['generator_cpu_pct']} % of a core")
+    if reasons:
+        out["not_measured"] = "; ".join(reasons) + ": the row does not measure the adapter"
+    return out
 
 
 def _start_profile(pid: int, instances: int, args: argparse.Namespace) -> tuple[Any, Path] | None:

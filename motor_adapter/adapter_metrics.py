@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 from motor_adapter import metrics
 from motor_adapter.rank_loads import InstanceLoads
@@ -52,10 +51,11 @@ _MISSED_LOG_INTERVAL_S = 60.0
 
 
 class HitTally(NamedTuple):
-    """One query's hit counts as live cells: ``(cell, blocks)`` per tier hit, and the best
-    hit's blocks (what ``query_hit_blocks`` adds, capped at the blocks asked)."""
+    """One query's hit counts on resolved series: ``(cell, blocks)`` per tier hit
+    (:meth:`metrics.Counter.cell`), and the best hit's blocks (what ``query_hit_blocks``
+    adds, capped at the blocks asked)."""
 
-    adds: tuple[tuple[list[float], int], ...]
+    adds: tuple[tuple[Any, int], ...]
     best: int
 
 
@@ -91,14 +91,14 @@ class AdapterMetrics:
             "motor_kv_adapter_http_events_total",
             "KV events received by POST /events, by result (applied, ignored, unregistered)",
         )
-        self._scored_cells: dict[tuple[str, int], list[float]] = {}
+        self._scored_cells: dict[tuple[str, int], Any] = {}
         self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
-        # Live counter cells of the query hot path, per model and per (instance, dp key, engine rank).
+        # Resolved series of the query hot path, per model and per (instance, dp key, engine rank).
         # (the latency histogram's series, query_blocks' cell, hit_blocks' cell) per model
-        self._model_cells: dict[str, tuple[list[float], list[float], list[float]]] = {}
-        self._latency_buckets = self.latency.buckets
+        self._model_cells: dict[str, tuple[Any, Any, Any]] = {}
         self._repeat_hits = self.instance_hits.repeat
-        self._hit_cells: dict[tuple[str, str, int], list[Union[list[float], None]]] = {}
+        self._repeat_scored = self.scored_tokens.repeat
+        self._hit_cells: dict[tuple[str, str, int], list[Any]] = {}
 
     def observe_hits(
         self, model: str, hits: Sequence[tuple[str, str, int, TierCounts]], blocks: int, started: float, block_size: int
@@ -107,11 +107,11 @@ class AdapterMetrics:
         self.observe_tally(model, self.tally(hits), blocks, started)
 
     def tally(self, hits: Sequence[tuple[str, str, int, TierCounts]]) -> HitTally:
-        """What counting ``hits`` adds, resolved to live cells (:meth:`metrics.Counter.cell`):
+        """What counting ``hits`` adds, resolved to series (:meth:`metrics.Counter.cell`):
         a caller that sees the same hits again keeps the tally and counts it again with
         :meth:`observe_tally`, with no label set built or hashed."""
         best = 0
-        adds: list[tuple[list[float], int]] = []
+        adds: list[tuple[Any, int]] = []
         for instance, dp, rank, hit in hits:
             counts = (hit.npu_blocks, hit.cpu_blocks, hit.disk_blocks)
             best = max(best, sum(counts))
@@ -130,15 +130,15 @@ class AdapterMetrics:
 
     def observe_scored(self, instance: str, rank: int, tokens: int) -> None:
         """One instance of one ``/query`` answer: ``tokens`` scored as a hit on engine rank ``rank``."""
-        self.scored_cell(instance, rank)[0] += tokens
+        self.scored_cell(instance, rank).inc(tokens)
 
-    def scored_cells(self, scored: Sequence[tuple[str, int, int]]) -> tuple[tuple[list[float], int], ...]:
+    def scored_cells(self, scored: Sequence[tuple[str, int, int]]) -> tuple[tuple[Any, int], ...]:
         """:meth:`observe_scored`'s cells for ``(instance, rank, tokens)`` each, resolved once:
         a caller that sees the same answer again adds them with :meth:`observe_cells`."""
         return tuple((self.scored_cell(instance, rank), tokens) for instance, rank, tokens in scored)
 
-    def scored_cell(self, instance: str, rank: int) -> list[float]:
-        """The live cell of ``scored_tokens`` for ``(instance, rank)`` (its series appears with it)."""
+    def scored_cell(self, instance: str, rank: int) -> Any:
+        """The series of ``scored_tokens`` for ``(instance, rank)`` (it appears with it)."""
         cell = self._scored_cells.get((instance, rank))
         if cell is None:
             if len(self._scored_cells) >= LABELS_MAX:
@@ -147,10 +147,10 @@ class AdapterMetrics:
             cell = self._scored_cells[(instance, rank)] = self.scored_tokens.cell(labels)
         return cell
 
-    @staticmethod
-    def observe_cells(cells: Sequence[tuple[list[float], int]]) -> None:
-        for cell, count in cells:
-            cell[0] += count
+    def observe_cells(self, cells: tuple[tuple[Any, int], ...]) -> None:
+        """``scored_tokens``' adds of an answer (:meth:`scored_cells`), counted once more."""
+        if cells:
+            self._repeat_scored(cells)
 
     def observe_tally(self, model: str, tally: HitTally, blocks: int, started: float) -> None:
         """One query of ``model``: its latency, its ``blocks`` and its hits (a :meth:`tally`)."""
@@ -160,7 +160,7 @@ class AdapterMetrics:
 
     def observe_query(self, model: str, best: int, blocks: int, started: float) -> None:
         """One query of ``model``: its latency, its ``blocks`` and the largest hit's (``best``),
-        its hits counted already (the C renderer adds them to their cells itself)."""
+        its hits counted already."""
         per_model = self._model_cells.get(model)
         if per_model is None:
             if len(self._model_cells) >= LABELS_MAX:
@@ -169,11 +169,9 @@ class AdapterMetrics:
             queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
             per_model = self._model_cells[model] = (self.latency.series(labels), queried_cell, hit_cell)
         latency, queried, hit_blocks = per_model
-        elapsed = time.perf_counter() - started
-        latency[bisect_left(self._latency_buckets, elapsed)] += 1  # Histogram.series' layout
-        latency[-1] += elapsed
-        queried[0] += blocks
-        hit_blocks[0] += best if best < blocks else blocks
+        latency.observe(time.perf_counter() - started)
+        queried.inc(blocks)
+        hit_blocks.inc(best if best < blocks else blocks)
 
     def missed_registration(self, model: str, tenant: str) -> None:
         """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""

@@ -1,90 +1,121 @@
-"""A tiny Prometheus text exposition (format 0.0.4) without a client library.
+"""The adapter's metric types on ``prometheus-client``: what the service's modules register.
 
-Counters, gauges and histograms with labels; single-threaded use from the service's event
-loop (the stream figures are read from the subscribers' health snapshots at scrape time).
+``prometheus-client`` keeps the counts and histograms and writes the text exposition (format
+0.0.4); this module only keeps the project's calling convention, where a series' labels are
+given as keywords at the first count (``counter.inc(path="/query", status=200)``) rather
+than declared up front: a metric's label names are fixed by its first use, sorted by name.
+
+- :class:`Counter` and :class:`Histogram` wrap the library's own types.  A hot path resolves
+  a series once (:meth:`Counter.cell`, :meth:`Histogram.series`: the library's child) and
+  counts on it with no label handling per count.
+- :class:`Gauge` holds figures set at scrape time (stream health, rank loads, the registry):
+  a custom collector's family, typed as a counter when the figure is one (``kind``).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Union
+
+import prometheus_client
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 __all__ = ["Counter", "Gauge", "Histogram", "Labels", "Registry", "LATENCY_BUCKETS_S"]
 
+# The exposition keeps the series it always had: no ``*_created`` sample beside each counter
+# and histogram (process-wide, as the library offers it; the adapter's process is its own).
+prometheus_client.disable_created_metrics()
+
 LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 3.0)
-Labels = tuple[tuple[str, str], ...]
-Adds = tuple[tuple[list[float], float], ...]  # (a Counter.cell, the amount added to it) pairs
+Labels = tuple[tuple[str, str], ...]  # (name, value) pairs sorted by name, values as strings
+Adds = tuple[tuple[Any, float], ...]  # (a Counter.cell, the amount added to it) pairs
 _REPEATS_MAX = 4096  # distinct Counter.repeat adds pending before they are folded in unread
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(labels: Labels, extra: Labels = ()) -> str:
-    items = labels + extra
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in items) + "}"
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
 
 
 def _key(labels: dict[str, object] | None) -> Labels:
     return tuple((k, str(v)) for k, v in sorted((labels or {}).items()))
 
 
-class _Metric:
+class _Wrapped:
+    """A library metric made at the first use, when its label names are known."""
+
     kind = "untyped"
 
     def __init__(self, name: str, help_text: str) -> None:
         self.name = name
         self.help = help_text
+        self._metric: Any = None
+        self._names: tuple[str, ...] = ()
+        self._children: dict[Labels, Any] = {}
 
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-    def lines(self) -> list[str]:
+    def _make(self, names: tuple[str, ...]) -> Any:
         raise NotImplementedError
 
+    def _child(self, labels: Labels) -> Any:
+        found = self._children.get(labels)
+        if found is not None:
+            return found
+        names = tuple(k for k, _ in labels)
+        if self._metric is None:
+            self._metric, self._names = self._make(names), names
+        elif names != self._names:
+            raise ValueError(f"{self.name}: labels {names} where its first use gave {self._names}")
+        found = self._metric.labels(*(v for _, v in labels)) if names else self._metric
+        self._children[labels] = found
+        return found
 
-class Counter(_Metric):
+    def _empty(self) -> Metric:
+        raise NotImplementedError
+
+    def collect(self) -> Iterator[Metric]:
+        if self._metric is None:
+            yield self._empty()  # its HELP and TYPE before its first series, as any metric
+        else:
+            yield from self._metric.collect()
+
+    def _samples(self, suffix: str) -> dict[Labels, float]:
+        out: dict[Labels, float] = {}
+        for family in self.collect():
+            for sample in family.samples:
+                if sample.name == family.name + suffix:
+                    out[tuple(sorted(sample.labels.items()))] = sample.value
+        return out
+
+
+class Counter(_Wrapped):
     kind = "counter"
 
     def __init__(self, name: str, help_text: str) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"{name}: a counter's name ends in _total (the library would append it)")
         super().__init__(name, help_text)
-        self._values: dict[Labels, float] = {}
-        self._cells: dict[Labels, list[float]] = {}  # series counted through cell()
         self._repeats: dict[int, tuple[Adds, list[int]]] = {}  # id(adds) -> (adds, [times]): see repeat()
 
+    def _make(self, names: tuple[str, ...]) -> Any:
+        return prometheus_client.Counter(self.name, self.help, names, registry=None)
+
+    def _empty(self) -> Metric:
+        return CounterMetricFamily(self.name, self.help, labels=())
+
     def inc(self, amount: float = 1.0, **labels: object) -> None:
-        key = _key(labels)
-        self._values[key] = self._values.get(key, 0.0) + amount
+        self._child(_key(labels)).inc(amount)
 
     def inc_labels(self, labels: Labels, amount: float = 1.0) -> None:
         """Hot-path ``inc``: ``labels`` already sorted by name, values already strings."""
-        self._values[labels] = self._values.get(labels, 0.0) + amount
+        self._child(labels).inc(amount)
 
-    def cell(self, labels: Labels) -> list[float]:
-        """The live one-item total of a series (``labels`` as for ``inc_labels``): a caller that
-        keeps it counts with ``cell[0] += n``, no label hashing per count. Creates the series."""
-        found = self._cells.get(labels)
-        if found is None:
-            found = self._cells[labels] = [self._values.pop(labels, 0.0)]
-        return found
+    def cell(self, labels: Labels) -> Any:
+        """The series' counter (``labels`` as for ``inc_labels``; created with none): a caller
+        that keeps it counts with ``cell.inc(n)``, no label handling per count."""
+        return self._child(labels)
 
     def repeat(self, adds: Adds) -> None:
         """Adds ``adds`` (amounts to this counter's cells) once more, folded into the cells
         before the next read: a hot path that adds the same amounts to many series again and
         again (a repeated ``/query``'s hits per instance) pays one probe, not one add per
-        series. Integer amounts sum exactly as when added one by one."""
+        series.  Integer amounts sum exactly as when added one by one."""
         entry = self._repeats.get(id(adds))  # the entry holds adds: its id is not reused meanwhile
         if entry is not None:
             entry[1][0] += 1
@@ -94,93 +125,98 @@ class Counter(_Metric):
         self._repeats[id(adds)] = (adds, [1])
 
     def _fold(self) -> None:
-        for adds, times in self._repeats.values():
+        repeats, self._repeats = self._repeats, {}
+        for adds, times in repeats.values():
             for cell, amount in adds:
-                cell[0] += amount * times[0]
-        self._repeats.clear()
+                cell.inc(amount * times[0])
+
+    def collect(self) -> Iterator[Metric]:
+        if self._repeats:
+            self._fold()
+        yield from super().collect()
 
     def items(self) -> dict[Labels, float]:
         """Every series and its value."""
-        if self._repeats:
-            self._fold()
-        out = dict(self._values)
-        for labels, cell in self._cells.items():
-            out[labels] = out.get(labels, 0.0) + cell[0]
-        return out
+        return self._samples("_total")
 
     def value(self, **labels: object) -> float:
-        if self._repeats:
-            self._fold()
-        key = _key(labels)
-        cell = self._cells.get(key)
-        return self._values.get(key, 0.0) + (cell[0] if cell is not None else 0.0)
-
-    def lines(self) -> list[str]:
-        return [f"{self.name}{_labels(k)} {_number(v)}" for k, v in sorted(self.items().items())]
+        return self.items().get(_key(labels), 0.0)
 
 
-class Gauge(Counter):
-    """A value set at scrape time (``set``) or counted up and down."""
-
-    kind = "gauge"
-
-    def set(self, value: float, **labels: object) -> None:
-        key = _key(labels)
-        self._values[key] = value
-        self._cells.pop(key, None)
-
-    def clear(self) -> None:
-        self._values.clear()
-        self._cells.clear()
-
-
-class Histogram(_Metric):
+class Histogram(_Wrapped):
     kind = "histogram"
 
     def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> None:
         super().__init__(name, help_text)
         self.buckets = tuple(sorted(buckets))
-        # per series: count per bucket (not cumulative; the last one is +Inf), then the sum
-        self._series: dict[Labels, list[float]] = {}
+
+    def _make(self, names: tuple[str, ...]) -> Any:
+        return prometheus_client.Histogram(self.name, self.help, names, registry=None, buckets=self.buckets)
+
+    def _empty(self) -> Metric:
+        return HistogramMetricFamily(self.name, self.help, labels=())
 
     def observe(self, value: float, **labels: object) -> None:
-        self.observe_labels(value, _key(labels))
+        self._child(_key(labels)).observe(value)
 
     def observe_labels(self, value: float, labels: Labels) -> None:
-        series = self.series(labels)
-        series[bisect.bisect_left(self.buckets, value)] += 1
-        series[-1] += value
+        self._child(labels).observe(value)
 
-    def series(self, labels: Labels) -> list[float]:
-        """The live counts of a series (``labels`` as for ``Counter.inc_labels``; created with
-        none): one count per bucket of :attr:`buckets` (not cumulative), then +Inf's, then the
-        sum.  A caller that keeps it observes ``value`` with
-        ``series[bisect_left(buckets, value)] += 1; series[-1] += value``: no label hashing
-        per observation, as :meth:`Counter.cell`."""
-        series = self._series.get(labels)
-        if series is None:
-            series = self._series[labels] = [0.0] * (len(self.buckets) + 2)
-        return series
+    def series(self, labels: Labels) -> Any:
+        """The series' histogram (``labels`` as for ``Counter.inc_labels``; created with none):
+        a caller that keeps it observes with ``series.observe(value)``, as :meth:`Counter.cell`."""
+        return self._child(labels)
 
     def count(self, **labels: object) -> int:
-        series = self._series.get(_key(labels))
-        return int(sum(series[:-1])) if series else 0
+        return int(self._samples("_count").get(_key(labels), 0.0))
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        for key, series in sorted(self._series.items()):
-            total = 0.0
-            for bound, count in zip(self.buckets, series, strict=False):
-                total += count
-                out.append(f"{self.name}_bucket{_labels(key, (('le', _number(bound)),))} {_number(total)}")
-            count_all = sum(series[:-1])
-            out.append(f"{self.name}_bucket{_labels(key, (('le', '+Inf'),))} {_number(count_all)}")
-            out.append(f"{self.name}_count{_labels(key)} {_number(count_all)}")
-            out.append(f"{self.name}_sum{_labels(key)} {_number(series[-1])}")
-        return out
+
+class Gauge:
+    """Figures set at scrape time (``set``), exported as a gauge, or as a counter when
+    ``kind`` says the figure is one (a total the stream or the engine keeps)."""
+
+    kind = "gauge"
+
+    def __init__(self, name: str, help_text: str) -> None:
+        self.name = name
+        self.help = help_text
+        self._values: dict[Labels, float] = {}
+
+    def set(self, value: float, **labels: object) -> None:
+        self._values[_key(labels)] = float(value)
+
+    def inc(self, amount: float = 1.0, **labels: object) -> None:
+        key = _key(labels)
+        self._values[key] = self._values.get(key, 0.0) + amount
+
+    def clear(self) -> None:
+        self._values.clear()
+
+    def items(self) -> dict[Labels, float]:
+        return dict(self._values)
+
+    def value(self, **labels: object) -> float:
+        return self._values.get(_key(labels), 0.0)
+
+    def collect(self) -> Iterator[Metric]:
+        family: Union[CounterMetricFamily, GaugeMetricFamily]
+        names = sorted({k for labels in self._values for k, _ in labels})
+        if self.kind == "counter":
+            family = CounterMetricFamily(self.name, self.help, labels=names)
+        else:
+            family = GaugeMetricFamily(self.name, self.help, labels=names)
+        for labels, value in sorted(self._values.items()):
+            given = dict(labels)
+            family.add_metric([given.get(k, "") for k in names], value)
+        yield family
+
+
+_Metric = Union[Counter, Histogram, Gauge]
 
 
 class Registry:
+    """The metrics of one part of the service, in the order they were added."""
+
     def __init__(self) -> None:
         self._metrics: list[_Metric] = []
 
@@ -204,8 +240,16 @@ class Registry:
         return metric
 
     def render(self, extra: Iterable[_Metric] = ()) -> str:
-        lines: list[str] = []
-        for metric in [*self._metrics, *extra]:
-            lines += metric.header()
-            lines += metric.lines()
-        return "\n".join(lines) + "\n"
+        """The text exposition of these metrics and ``extra`` (figures read at scrape time)."""
+        return generate_latest(_Collect([*self._metrics, *extra])).decode()
+
+
+class _Collect(Collector):
+    """The library's collector protocol over a list of metrics."""
+
+    def __init__(self, metrics: Sequence[_Metric]) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._metrics:
+            yield from metric.collect()

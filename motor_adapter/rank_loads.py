@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
 import threading
 import time
 from array import array
@@ -48,23 +47,25 @@ class InstanceLoads:
         return len(self.loads)
 
 
-# One instance's loads as /query scores them (RankLoadBook.live): ``packed``, native doubles in
-# a few cache lines - received (monotonic), the loads' sum (left to right, as sum()), the
-# report's version, the commits counted since it, then each rank's current load (the report's
-# plus what was committed to it since) - and ``seen``, the prompts committed since the report.
-# A report replaces the pair whole (one dict store); a commit updates both in place - the
-# reference (RankLoadBook.commit) and the C renderer (motor_adapter._answer) alike - so a
-# reader sees the state before or after it, and a commit racing a report lands on the
-# replaced pair (lost, as the report's figures already count what was queued before them).
-LiveLoads = tuple[bytearray, set[int]]
-_HEAD = struct.Struct("=dddd")  # received, sum, version, commits: then one double per rank
-_HEAD_WORDS = 4
+class LiveLoads:
+    """One instance's loads as ``/query`` scores them (:meth:`RankLoadBook.live`): the report's
+    receipt time (monotonic), each rank's current load (the report's plus what was committed
+    to it since: ``loads``, an ``array("d")`` the C renderer reads through the buffer protocol),
+    their sum (``total``, as ``sum()`` adds them), the report's version, the commits since it
+    and the prompts committed since it.  A report replaces the object whole (one dict store);
+    a commit (:meth:`RankLoadBook.commit`, on the HTTP loop) changes it in place, so a commit
+    racing a report lands on the replaced one (lost, as the report's figures already count
+    what was queued before them)."""
 
+    __slots__ = ("commits", "loads", "received", "seen", "total", "version")
 
-def _pack_loads(received: float, version: int, loads: Sequence[float]) -> bytearray:
-    packed = array("d", (received, sum(loads), float(version), 0.0))
-    packed.extend(loads)
-    return bytearray(packed.tobytes())
+    def __init__(self, received: float, version: int, loads: Sequence[float]) -> None:
+        self.received = received
+        self.version = version
+        self.loads = array("d", loads)
+        self.total = sum(self.loads)
+        self.commits = 0
+        self.seen: set[int] = set()
 
 
 class RankLoadBook:
@@ -83,19 +84,12 @@ class RankLoadBook:
         self._write = threading.Lock()
         self._version = 0
         self.reports = 0
-        # Every report, effective commit and forget: tokens read before it still hold.  One
-        # int64 the C renderer counts in too (a commit it makes).
-        self.changes_cell = bytearray(8)
-        # The same int64 as an item: ``changes_count[0]`` is :attr:`changes` read without a
-        # property call (the /query hot path reads it once per query).
-        self.changes_count = memoryview(self.changes_cell).cast("q")
+        # Counts every report, effective commit and forget: tokens read before it still hold
+        # while it does not move (the /query hot path reads it once per query).
+        self.changes = 0
         # Whether any instance has figures (fresh or stale), kept by the writers: without,
         # /query asks none.  An attribute: read once per query.
         self.figured = False
-
-    @property
-    def changes(self) -> int:
-        return int(self.changes_count[0])
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -124,9 +118,9 @@ class RankLoadBook:
                 self._version,
             )
             # The new figures include what was committed before them: no commit carries over.
-            self._live[instance] = (_pack_loads(received, self._version, current), set())
+            self._live[instance] = LiveLoads(received, self._version, current)
             self.figured = True
-            self.changes_count[0] += 1
+            self.changes += 1
 
     def get(self, instance: str, now: float | None = None) -> InstanceLoads | None:
         """The instance's figures, or None when it has none or they are stale."""
@@ -150,57 +144,52 @@ class RankLoadBook:
         out: list[tuple[int, int] | None] = []
         until = math.inf
         stale_after = self.stale_after_s
-        unpack = _HEAD.unpack_from
         for instance in instances:
             found = self._live.get(instance)
-            if found is None:
+            if found is None or now - found.received > stale_after:
                 out.append(None)
                 continue
-            received, _, version, commits = unpack(found[0])  # one read: the token and its figures in step
-            if now - received > stale_after:
-                out.append(None)
-                continue
-            until = min(until, received + stale_after)
-            out.append((int(version), int(commits)))
+            until = min(until, found.received + stale_after)
+            out.append((found.version, found.commits))
         return tuple(out), until
 
     def live(self) -> Mapping[str, LiveLoads]:
-        """Every instance's :data:`LiveLoads` (the C renderer reads and commits in one call)."""
+        """Every instance's :class:`LiveLoads` (the C renderer reads them in one call)."""
         return self._live
 
     def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
         """``figures.loads`` plus what was committed to each rank since that report."""
         found = self._live.get(instance)
-        if found is None or _HEAD.unpack_from(found[0])[2] != figures.version:
+        if found is None or found.version != figures.version:
             return figures.loads
-        return tuple(memoryview(found[0]).cast("d")[_HEAD_WORDS:])
+        return tuple(found.loads)
 
     def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
         """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
         prompt asked again before the next report (a retry, a tool polling ``/query``) is
-        committed once: Motor asks once per request.  ``_answer.c`` (commit_to) does the same."""
+        committed once: Motor asks once per request."""
         if tokens <= 0:
             return
         found = self._live.get(instance)
         if found is None:
             return
-        packed, seen = found
+        seen = found.seen
         if prompt in seen or len(seen) >= _COMMITTED_MAX:
             return
         seen.add(prompt)
-        words = memoryview(packed).cast("d")
-        if _HEAD_WORDS + rank < len(words):
-            words[_HEAD_WORDS + rank] += tokens
-            words[1] = sum(words[_HEAD_WORDS:])
-        words[3] += 1.0
-        self.changes_count[0] += 1
+        loads = found.loads
+        if 0 <= rank < len(loads):
+            loads[rank] += tokens
+            found.total = sum(loads)
+        found.commits += 1
+        self.changes += 1
 
     def forget(self, instance: str) -> None:
         with self._write:
             self._by_instance.pop(instance, None)
             self._live.pop(instance, None)
             self.figured = bool(self._by_instance)
-            self.changes_count[0] += 1
+            self.changes += 1
 
     def items(self) -> list[tuple[str, InstanceLoads]]:
         """Every instance's last figures, stale ones included (metrics show what was last said)."""

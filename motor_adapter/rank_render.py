@@ -6,42 +6,35 @@ every registered instance one fanned-in stream, the "tokens" answer shape, the N
 alone holding blocks - the C helper computes the same answer in one call and writes the
 JSON bytes msgspec would write for that dict, so a new prompt's answer costs no Python per
 instance.  This module builds its inputs: once per view (the instances' JSON names) and
-once per walk result (each instance's hits as tuples, and the metrics cells of the ranks
-answers name, resolved on first use).  When the helper is not built, ``KVPUB_NATIVE=0`` is
+once per walk result (each instance's hits as tuples, and the metrics series of the ranks
+answers name, resolved on first use).  The answer's side effects - the commit of its prompt
+to the rank it names, its metrics - are made here in Python (:func:`effects`), as the
+reference makes them: the C only reads.  When the helper is not built, ``KVPUB_NATIVE=0`` is
 set, or it declines an answer (a figure that would not render exactly), the reference runs.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Union
 
 import msgspec
 
+from motor_adapter import native
 from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
 
-__all__ = ["NATIVE", "RankStatic", "RankTable", "Rendered", "render", "renders", "replayer", "static_inputs"]
+__all__ = ["NATIVE", "Effects", "RankStatic", "RankTable", "Rendered", "effects", "render", "renders", "static_inputs"]
 
 
-def _load() -> Any:
-    if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
-        return None
-    try:
-        from motor_adapter import _answer  # type: ignore[attr-defined]
-    except ImportError:  # not built (no C compiler at install): the reference answers
-        return None
-    return _answer
+NATIVE: Any = native.MODULE  # the router's C helpers, or None (the reference answers)
 
-
-NATIVE: Any = _load()
-
-# (adds of the instance-hit counters, the scored-tokens counter cell or None) of one rank
-Cells = tuple[tuple[tuple[list[float], int], ...], Union[list[float], None]]
+_COUNTS_MAX = 256  # counted-instance tuples remembered per walk result
+Adds = tuple[tuple[Any, int], ...]  # (a counter's series, the amount added) pairs
+# (adds of the instance-hit counters, the scored-tokens counter's series or None) of one rank
+Cells = tuple[tuple[tuple[Any, int], ...], Any]
 
 
 class RankStatic(NamedTuple):
@@ -53,11 +46,16 @@ class RankStatic(NamedTuple):
     streams: tuple[str, ...]  # each instance's stream: its key in RankLoadBook's live loads
 
 
+# What the answer makes the caller do: the chosen instance, the commit's rank (-1: none) and
+# tokens, and (instance, rank, matched) of each instance whose scored rank holds a hit, as
+# native int64 triples in one bytes object.
+Plan = tuple[int, int, int, bytes]
 # The helper's answer, a plain tuple (no object more per answer): its JSON, the largest hit's
 # blocks (for the query's hit-blocks metric), until when it holds while the book does not change
-# (monotonic: the first fresh instance going stale), and its replay: what :func:`replayer` binds
-# to make the answer's commit and metrics again when the same answer is given again.
-Rendered = tuple[bytes, int, float, bytes]
+# (monotonic: the first fresh instance going stale), and its :data:`Plan`.
+Rendered = tuple[bytes, int, float, Plan]
+# An answer's side effects bound once (:func:`effects`): called with the prompt's commit key.
+Effects = Callable[[int], None]
 
 
 def static_inputs(
@@ -85,7 +83,7 @@ class RankTable:
     ``(rank, npu, cpu, disk)`` hits), and the metrics cells of each instance's ranks
     (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
 
-    __slots__ = ("all_hits", "best", "board", "cells", "resolve")
+    __slots__ = ("all_hits", "best", "board", "cells", "counts", "resolve")
 
     def __init__(
         self,
@@ -113,6 +111,9 @@ class RankTable:
             ).tobytes()
         self.board = bytes(board)
         self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in static.names)
+        # An answer's counted instances -> (their hit adds, their scored-token adds): answers of
+        # one walk result name few distinct rank choices, so a new prompt's resolves none.
+        self.counts: dict[bytes, tuple[Adds, Adds]] = {}
         self.resolve = lambda i, rank: resolve(self, i, rank)
 
 
@@ -130,37 +131,61 @@ def render(
     now: float,
     isl: int,
     spread: int,
-    prompt: int,
 ) -> Union[Rendered, Literal[False], None]:
-    """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens, tie-break key ``spread``
-    and commit key ``prompt`` under each instance's loads in ``book`` at ``now`` (monotonic),
-    its side effects made (the commit to the rank it names, its metrics); False when no
-    instance has fresh loads (answer by the longest hit); None: run the reference.  Neither
-    changes anything.  The caller checks :func:`renders` of the cost's parameters once."""
+    """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens and tie-break key
+    ``spread`` under each instance's loads in ``book`` at ``now`` (monotonic); False when no
+    instance has fresh loads (answer by the longest hit); None: run the reference.  Nothing
+    is changed: :func:`effects` makes its commit and metrics.  The caller checks
+    :func:`renders` of the cost's parameters once."""
     got: Union[Rendered, Literal[False], None] = NATIVE.rank_answer(
-        table.board,
-        static.streams,
-        book.live(),
-        now,
-        book.stale_after_s,
-        isl,
-        spread,
-        table.cells,
-        table.resolve,
-        prompt,
-        book.changes_cell,
+        table.board, static.streams, book.live(), now, book.stale_after_s, isl, spread
     )
     return got
 
 
-def replayer(static: RankStatic, table: RankTable, book: RankLoadBook, rendered: Rendered) -> Callable[[int], None]:
-    """The side effects of ``rendered`` (an answer of ``table``), bound once: called with a
-    prompt, they are made again for it in one C call (the book's live mapping and changes
-    cell stay the same objects for its life)."""
-    bound: Callable[[int], None] = functools.partial(
-        NATIVE.rank_replay, rendered[3], static.streams, book.live(), table.cells, table.resolve, book.changes_cell
-    )
-    return bound
+def effects(
+    static: RankStatic,
+    table: RankTable,
+    book: RankLoadBook,
+    plan: Plan,
+    count_hits: Callable[[tuple[tuple[Any, int], ...]], None],
+    count_scored: Callable[[tuple[tuple[Any, int], ...]], None],
+) -> Effects:
+    """The side effects of an answer of ``table`` (its :data:`Plan`), resolved once and bound:
+    called with the prompt's commit key, they count each instance's own hit on its scored
+    rank (``count_hits``) and the tokens scored as hits (``count_scored``), both as
+    ``metrics.Counter.repeat`` adds, and commit the prompt's uncached tokens to the rank the
+    answer names (:meth:`RankLoadBook.commit`) - the same calls, in the same order, as the
+    reference's answer makes."""
+    chosen, rank, tokens, counted = plan
+    found = table.counts.get(counted)
+    if found is None:
+        hits: list[tuple[Any, int]] = []
+        scored: list[tuple[Any, int]] = []
+        triples = array("q", counted)
+        for k in range(0, len(triples), 3):
+            i, at, matched = triples[k], triples[k + 1], triples[k + 2]
+            cells = table.cells[i].get(at)
+            if cells is None:
+                cells = table.cells[i][at] = table.resolve(i, at)
+            hits.extend(cells[0])
+            if matched > 0 and cells[1] is not None:
+                scored.append((cells[1], matched))
+        if len(table.counts) >= _COUNTS_MAX:
+            table.counts.clear()
+        found = table.counts[counted] = (tuple(hits), tuple(scored))
+    hit_adds, scored_adds = found
+    stream, commit = static.streams[chosen], book.commit
+
+    def make(prompt: int) -> None:
+        if hit_adds:
+            count_hits(hit_adds)
+        if scored_adds:
+            count_scored(scored_adds)
+        if rank >= 0:
+            commit(stream, rank, tokens, prompt)
+
+    return make
 
 
 def renders(params: CostParams) -> bool:

@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import hdrs, web
 from xxhash import xxh3_128_intdigest as _xxh3_128
 
-from motor_adapter import metrics
+from motor_adapter import metrics, native
 from motor_adapter.adapter_metrics import LABELS_MAX, query_memo_text
 from motor_adapter.affinity import decision_logger
 from motor_adapter.conductor_v31 import blocks_answer, by_hash_units, indexer_summary
@@ -97,7 +97,7 @@ def _body_key_py(raw: bytes, is_msgpack: bool) -> int:
 # The prompt cache's key in C when built: the xxhash package's own function dispatches to
 # AVX-512 on CPUs that have it, which cost the live server ~2 us more CPU per 30 KB body than
 # the same hash on SSE2, though faster in a tight loop (docs/native.md, body_key; issue 32).
-_body_key: Callable[[bytes, bool], int] = hashing.NATIVE.body_key if hashing.NATIVE else _body_key_py
+_body_key: Callable[[bytes, bool], int] = native.MODULE.body_key if native.MODULE else _body_key_py
 
 
 def _json_response(data: Any) -> web.Response:
@@ -229,7 +229,7 @@ class _Handlers:
         self._msgpack = msgspec.msgpack.Decoder()
         self._query_json = msgspec.json.Decoder(QueryBody)
         self._query_msgpack = msgspec.msgpack.Decoder(QueryBody)
-        self._native = hashing.NATIVE  # /query's msgpack ids go straight to u32 in C when built
+        self._native = native.MODULE  # /query's msgpack ids go straight to u32 in C when built
         # recent /query bodies, for the leading blocks the next turn of a conversation (or a shared
         # system prompt) repeats byte for byte; only touched from the event loop thread, like _prompts
         self._query_memo = self._native.QueryKeysMemo() if self._native else None

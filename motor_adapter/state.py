@@ -118,7 +118,7 @@ class _View:
     rank_tables: dict[int, rank_render.RankTable] = dataclasses.field(default_factory=dict)
     # The last rendered answer: (walk result, isl, spread, book changes, rendered, table, its
     # Answer once made - the one object a repeat of it is given, its encodings included -, its
-    # replay bound once made: rank_render.replayer).
+    # side effects bound: rank_render.effects).
     rank_last: list[Any] = dataclasses.field(default_factory=lambda: [None] * 8)
 
 
@@ -516,16 +516,13 @@ class AdapterState:
                 size = isl if isl is not None else blocks * block_size
                 prompt = keys[-1] if keys else spread  # the commit's key: once per prompt between two reports
                 book = affinity.loads
-                changes = book.changes_count[0]  # read first: a change while rendering is seen next time
+                changes = book.changes  # read first: a change while rendering is seen next time
                 now = time.monotonic()
                 last = view.rank_last
                 if last[0] is best_walk and last[1] == size and last[2] == spread and last[3] == changes:
                     again: rank_render.Rendered = last[4]
                     if now < again[2]:  # the last answer holds: given again, its side effects made again
-                        replay = last[7]
-                        if replay is None:  # bound at the first repeat: a new prompt's render skips it
-                            replay = last[7] = rank_render.replayer(view.rank_static, last[5], book, again)
-                        replay(prompt)
+                        last[7](prompt)
                         self.metrics.observe_query(model, again[1], blocks, started)
                         answer: Answer = last[6]  # one object for every repeat, its encodings included
                         if answer is None:
@@ -636,8 +633,8 @@ class AdapterState:
         The last one is kept (``view.rank_last``): asked again for the same walk result,
         ``isl`` and ``spread`` while the book has not changed (its ``changes``: every report,
         effective commit and forget) and no instance has gone stale, :meth:`answer_keys`
-        gives it again without rendering, its commit and metrics made again by one C call
-        (``rank_render.replayer``, bound at its first repeat) - a prompt asked again and
+        gives it again without rendering, its commit and metrics made again by the effects
+        bound at its render (``rank_render.effects``) - a prompt asked again and
         again (a retry, several routers, a poll) costs no render, and a stream of new prompts
         costs one slot, not a memo to fill and clear."""
         static, affinity = view.rank_static, view.affinity
@@ -653,9 +650,14 @@ class AdapterState:
                 static, params, best, all_hits, block_size, self._rank_cells(view, block_size)
             )
             _remember(view.rank_tables, id(best), table)
-        rendered = rank_render.render(static, table, book, now, isl, spread, prompt)
+        rendered = rank_render.render(static, table, book, now, isl, spread)
         if rendered:
-            view.rank_last[:] = (best, isl, spread, changes, rendered, table, None, None)
+            metrics = self.metrics
+            made = rank_render.effects(
+                static, table, book, rendered[3], metrics.instance_hits.repeat, metrics.scored_tokens.repeat
+            )
+            made(prompt)
+            view.rank_last[:] = (best, isl, spread, changes, rendered, table, None, made)
         return rendered
 
     def _rank_cells(

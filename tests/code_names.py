@@ -12,7 +12,9 @@ import dataclasses
 import importlib
 import importlib.util
 import io
+import json
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from functools import cache
@@ -125,14 +127,17 @@ def sglang_flags() -> dict[str, set[str]] | None:
 
 
 def pip_install_flags() -> set[str]:
-    """``pip install``'s long options (the docs name a few, ``--no-deps``): from pip's own parser."""
-    try:
-        from pip._internal.commands import create_command
-
-        parser = create_command("install").parser
-    except Exception:  # pip's internals moved: those flags are then unchecked
+    """``pip install``'s long options (the docs name a few, ``--no-deps``): from pip's own parser, read
+    in a child process - pip's internals import the stdlib's distutils, which then breaks
+    setuptools' build of any later JIT extension in this process (SGLang's hash extension)."""
+    probe = (
+        "import json; from pip._internal.commands import create_command; p = create_command('install').parser; "
+        "print(json.dumps(sorted({n for g in [p, *p.option_groups] for o in g.option_list for n in o._long_opts})))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:  # pip's internals moved: those flags are then unchecked
         return set()
-    return {name for group in [parser, *parser.option_groups] for opt in group.option_list for name in opt._long_opts}
+    return set(json.loads(done.stdout))
 
 
 def _literals(path: Path) -> set[str]:

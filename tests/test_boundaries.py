@@ -90,6 +90,14 @@ def test_core_and_wire_import_no_engine_transport_or_web_library() -> None:
     assert _offences(("sglang_kvpub.core", "sglang_kvpub.wire"), HEAVY) == []
 
 
+def test_the_simulators_cache_model_stays_out_of_the_production_core() -> None:
+    # bench/routing.py and the demo's simulator model a rank's cache; neither half runs it
+    assert "sglang_kvpub.tools.sim_cache" in MODULES
+    assert not any(_within(name, "sglang_kvpub.core.sim_cache") for name in MODULES)
+    users = {module for module, deps in GRAPH.items() if "sglang_kvpub.tools.sim_cache" in deps}
+    assert users and all(_within(module, "sglang_kvpub.tools") for module in users), users
+
+
 def test_core_imports_only_core_and_the_wire_contract() -> None:
     outside = [
         f"{module} imports {dep}"

@@ -19,6 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from motor_adapter import native as router_native
 from motor_adapter.scoring import KvAffinityConfig, best_rank
 from motor_adapter.service import _QUERY_FIELDS_BYTES, _QUERY_FIELDS_MAX, _Prompt, _PromptCache
 from sglang_kvpub import wire
@@ -735,6 +736,7 @@ def _answers_both_ways(
     for native in (True, False):
         if not native:
             monkeypatch.setattr(hashing, "NATIVE", None)
+            monkeypatch.setattr(router_native, "MODULE", None)  # the router's body helpers too
         url, pub = _served_query_url(make_server, zctx, stored)
         wait_for(functools.partial(_matched_all, url, probe, len(stored)), "the store is indexed")
         answers[native] = [http(url, raw=raw, headers=headers) for raw in bodies]
@@ -751,10 +753,11 @@ def test_msgpack_ids_are_checked_and_hashed_alike_with_or_without_the_c_helpers(
     the answers and the refusals must be the ones of the Python path, and of JSON."""
     from sglang_kvpub.core import hashing
 
-    if native and hashing.NATIVE is None:
+    if native and (hashing.NATIVE is None or router_native.MODULE is None):
         pytest.skip("the C helpers are not built")
     if not native:
         monkeypatch.setattr(hashing, "NATIVE", None)
+        monkeypatch.setattr(router_native, "MODULE", None)
     tokens = prompt(12, 5)
     url, _pub = _served_query_url(make_server, zctx, tokens[: 3 * BS])
     body = {"tenant_id": "default", "token_ids": tokens, "model": MODEL, "block_size": BS}
@@ -884,18 +887,16 @@ def test_conversation_turns_answer_alike_with_and_without_the_c_helpers(
     id, a bad id past the shared part, the block size stated after the ids): the C path,
     which takes the shared leading blocks from its memo of recent bodies (docs/native.md),
     answers and refuses as the Python path does - and did take blocks from the memo."""
-    from sglang_kvpub.core import hashing
-
-    if hashing.NATIVE is None:
+    if router_native.MODULE is None:
         pytest.skip("the C helpers are not built")
     memos: list[Any] = []
-    made = hashing.NATIVE.QueryKeysMemo
+    made = router_native.MODULE.QueryKeysMemo
 
     def kept_memo() -> Any:
         memos.append(made())
         return memos[-1]
 
-    monkeypatch.setattr(hashing.NATIVE, "QueryKeysMemo", kept_memo)
+    monkeypatch.setattr(router_native.MODULE, "QueryKeysMemo", kept_memo)
     tokens = prompt(14, 80)  # 1,280 ids, ~3.8 KiB of msgpack: long enough to be remembered
     base = [("model", MODEL), ("tenant_id", "default")]
     turns = [tokens[:700], tokens[:1000], tokens, [*tokens[:-1], 7], [*tokens, 70_000, 1 << 20]]
@@ -918,7 +919,9 @@ def test_conversation_turns_answer_alike_with_and_without_the_c_helpers(
     assert answers[True][-1] == answers[True][-2]
     assert answers[True][5][1]["error"] == answers[False][5][1]["error"] == "bad_field"
     assert sum(memo.hits for memo in memos) >= 5  # turns 0, 1, 3, 4 and 6 took blocks from the memo
-    assert f"motor_kv_adapter_query_prefix_reuse_total {served.hits}" in exposition.splitlines()
-    assert f"motor_kv_adapter_query_prefix_reused_blocks_total {served.reused_blocks}" in exposition.splitlines()
-    assert f"motor_kv_adapter_query_prefix_memo_bodies {len(served)}" in exposition.splitlines()
-    assert f"motor_kv_adapter_query_prefix_memo_exact_total {served.exact_hits}" in exposition.splitlines()
+    unlabelled = dict(line.split(" ") for line in exposition.splitlines() if line[:1] != "#" and "{" not in line)
+    figures = {name.removeprefix("motor_kv_adapter_query_prefix_"): float(v) for name, v in unlabelled.items()}
+    assert figures["reuse_total"] == served.hits
+    assert figures["reused_blocks_total"] == served.reused_blocks
+    assert figures["memo_bodies"] == len(served)
+    assert figures["memo_exact_total"] == served.exact_hits

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -15,7 +16,6 @@ import pytest
 from motor_adapter import rank_render
 from motor_adapter import state as state_module
 from motor_adapter.affinity import KvAffinity, NoSubscriber
-from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
@@ -183,14 +183,6 @@ def test_the_c_renderer_is_built_where_ci_requires_it() -> None:
 
 @needs_native
 @pytest.mark.unit
-def test_the_c_commit_keeps_the_books_bound() -> None:
-    from motor_adapter import rank_loads
-
-    assert rank_render.NATIVE.COMMITTED_MAX == rank_loads._COMMITTED_MAX
-
-
-@needs_native
-@pytest.mark.unit
 def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The last answer is given again without rendering (same walk result, length and
     tie-break key, no change in the book) and still makes its side effects: the metrics
@@ -200,9 +192,6 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
     real = rank_render.NATIVE.rank_answer
 
     class Spy:
-        COMMITTED_MAX = rank_render.NATIVE.COMMITTED_MAX
-        rank_replay = rank_render.NATIVE.rank_replay
-
         @staticmethod
         def rank_answer(*args: Any) -> Any:
             renders.append(1)
@@ -214,7 +203,7 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
     second = sequence_keys([*prompt, *range(950, 950 + BS)], BS)
 
     def scored() -> float:
-        return state.metrics.scored_cell("b", 1)[0]
+        return state.metrics.scored_tokens.value(engine_dp_rank="1", instance="b")
 
     def ask(asked: list[int]) -> None:
         state.answer_keys("m", "default", BS, asked, len(asked), 0.0, 5 * BS, 5)
@@ -234,9 +223,29 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
 
 @needs_native
 @pytest.mark.unit
-def test_a_malformed_replay_or_counter_is_refused() -> None:
-    book = RankLoadBook()
-    with pytest.raises(ValueError, match="malformed replay"):
-        rank_render.NATIVE.rank_replay(b"\0" * 8, ("s",), book.live(), ({},), print, book.changes_cell, 1)
-    with pytest.raises(TypeError, match="8-byte counter"):
-        rank_render.NATIVE.rank_replay(b"\0" * 32, ("s",), book.live(), ({},), print, bytearray(4), 1)
+def test_the_renderer_reads_live_loads_through_their_attributes_only() -> None:
+    """The C reads a LiveLoads' ``received``, ``total`` and ``loads`` (a buffer of doubles):
+    anything else there is refused with the reason, never read as raw memory."""
+    state, affinity, prompt = _b_holds_the_prompt_on_its_busy_rank()
+    keys = sequence_keys([*prompt, *range(900, 900 + BS)], BS)
+    state.answer_keys("m", "default", BS, keys, len(keys), 0.0, 5 * BS, 5)
+    view = state._views[("m", "default", BS)]
+    table = next(iter(view.rank_tables.values()))
+    static = view.rank_static
+    live = affinity.loads.live()[_url(1)]
+
+    class Loads:
+        received, total = live.received, live.total
+
+    for loads, error in ((array("q", [1, 2]), "buffer of doubles"), ([1.0, 2.0], "bytes-like")):
+        odd = Loads()
+        odd.loads = loads  # type: ignore[attr-defined]
+        with pytest.raises(TypeError, match=error):
+            rank_render.NATIVE.rank_answer(
+                table.board, static.streams, {_url(1): odd}, time.monotonic(), 5.0, 5 * BS, 5
+            )
+    del Loads.total
+    with pytest.raises(AttributeError):
+        rank_render.NATIVE.rank_answer(
+            table.board, static.streams, {_url(1): Loads()}, time.monotonic(), 5.0, 5 * BS, 5
+        )

@@ -1,4 +1,4 @@
-"""Unit tests of sglang_kvpub/core/sim_cache.py (the rank prefix-cache model) and bench/routing.py (routing sim)."""
+"""Unit tests of sglang_kvpub/tools/sim_cache.py (the rank prefix-cache model) and bench/routing.py (routing sim)."""
 
 from __future__ import annotations
 

@@ -56,7 +56,6 @@ _PACKERS: dict[int, struct.Struct] = {}  # token count -> "<{n}I" packer (format
 _PACKERS_MAX = 512
 _NUMPY: list[Any] = []  # [numpy module or None], once looked up
 _NATIVE_NAMES = (
-    "body_key",
     "chain_keys",
     "npu_walk",
     "npu_walk_ranks",
@@ -68,9 +67,6 @@ _NATIVE_NAMES = (
     "u32_from_ints",
     "u32_from_msgpack",
     "u32_count_msgpack",
-    "take_token_ids",
-    "take_query_keys",
-    "QueryKeysMemo",
 )
 log = logging.getLogger(__name__)
 
@@ -98,9 +94,6 @@ def _bind_native() -> Any:
         blocks = size // block
         if _native.chain_keys(raw, block, 7, BASE_SEED, 0, blocks) != _chained_py(raw, block, 7, BASE_SEED, 0, blocks):
             log.warning("native hashing helpers disagree with the Python loops: not used")
-            return None
-        if _native.body_key(raw, True) != (xxhash.xxh3_128_intdigest(raw) << 1) | 1:
-            log.warning("native body key disagrees with xxhash's XXH3-128: the helpers are not used")
             return None
     return _native
 

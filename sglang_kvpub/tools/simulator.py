@@ -1,7 +1,7 @@
 """A built-in simulator of one SGLang DP rank's prefix cache and the KV events it publishes.
 
 The demo (``sglang-kvpub demo``) runs an instance of N such ranks without an accelerator.
-Each rank is a page-granular radix cache model (:class:`sglang_kvpub.core.sim_cache.RankCache`:
+Each rank is a page-granular radix cache model (:class:`sglang_kvpub.tools.sim_cache.RankCache`:
 finite HBM in pages, LRU eviction of unreferenced leaves) and reports what a real SGLang
 0.5.23 rank reports for the same prefill:
 
@@ -30,9 +30,9 @@ from typing import Any
 import zmq
 
 from sglang_kvpub.config import PluginConfig
-from sglang_kvpub.core.sim_cache import RankCache
 from sglang_kvpub.publish.fanin import FanIn
 from sglang_kvpub.publish.rank_publisher import RankPublisher
+from sglang_kvpub.tools.sim_cache import RankCache
 from sglang_kvpub.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 __all__ = [
