@@ -95,6 +95,8 @@ class Registrar:
         self.idle_exit_s = idle_exit_s
         self._lock = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
+        self._unstarted: list[_Lane] = []
+        self._starter: threading.Thread | None = None
         self._pending = 0
         self.submitted = 0
         self.registered = 0
@@ -121,15 +123,13 @@ class Registrar:
             else:
                 if lane is None:
                     lane = self._lanes[address] = _Lane(address)
+                    self._unstarted.append(lane)  # its thread is started by the starter, not here
                 lane.jobs.append(_Job(room, rank, on_failure))
                 self._pending += 1
-                if lane.thread is None:
-                    lane.thread = threading.Thread(
-                        target=self._run, args=(lane,), name=f"kvpub-register-{address}", daemon=True
-                    )
-                    lane.thread.start()
-                else:
-                    self._lock.notify_all()
+                self._lock.notify_all()
+                if self._starter is None:  # once per process
+                    self._starter = threading.Thread(target=self._start_lanes, name="kvpub-register", daemon=True)
+                    self._starter.start()
             self.scheduler_s += time.perf_counter() - start
         if refused is not None:
             self._fail([_Job(room, rank, on_failure)], address, "queue_full", refused)
@@ -148,6 +148,20 @@ class Registrar:
             }
 
     # ------------------------------------------------------------------ lanes
+
+    def _start_lanes(self) -> None:
+        """Starts each new lane's thread: starting a thread waits for it to run, which under
+        the GIL can take milliseconds, so the caller (a scheduler) never does it."""
+        while True:
+            with self._lock:
+                while not self._unstarted:
+                    self._lock.wait()
+                lanes, self._unstarted = self._unstarted, []
+                for lane in lanes:
+                    lane.thread = threading.Thread(
+                        target=self._run, args=(lane,), name=f"kvpub-register-{lane.address}", daemon=True
+                    )
+                    lane.thread.start()
 
     def _run(self, lane: _Lane) -> None:
         while True:
