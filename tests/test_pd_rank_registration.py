@@ -122,6 +122,7 @@ def _wait(predicate: Any) -> None:
 
 def test_every_registration_reaches_the_bootstrap_server_and_the_caller_never_waits() -> None:
     registrar = Registrar()
+    registrar.start()  # as the hook's installation does: no submit starts a thread
     failures = Failures()
     with bootstrap() as server:
         for room in range(200):

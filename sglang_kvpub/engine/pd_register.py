@@ -102,6 +102,7 @@ class Registrar:
         self.registered = 0
         self.failed: collections.Counter[str] = collections.Counter()
         self.scheduler_s = 0.0  # time the callers spent in submit()
+        self.scheduler_max_s = 0.0
         self.post_s = 0.0  # time the POSTs took on the lanes
         self.posts = 0
         self._logged: set[str] = set()
@@ -127,10 +128,11 @@ class Registrar:
                 lane.jobs.append(_Job(room, rank, on_failure))
                 self._pending += 1
                 self._lock.notify_all()
-                if self._starter is None:  # once per process
-                    self._starter = threading.Thread(target=self._start_lanes, name="kvpub-register", daemon=True)
-                    self._starter.start()
-            self.scheduler_s += time.perf_counter() - start
+                if self._starter is None:  # only when start() was not called first
+                    self._start_starter()
+            elapsed = time.perf_counter() - start
+            self.scheduler_s += elapsed
+            self.scheduler_max_s = max(self.scheduler_max_s, elapsed)
         if refused is not None:
             self._fail([_Job(room, rank, on_failure)], address, "queue_full", refused)
 
@@ -144,8 +146,20 @@ class Registrar:
                 "pending": self._pending,
                 "lanes": len(self._lanes),
                 "scheduler_us_per_request": round(self.scheduler_s / done * 1e6, 2),
+                "scheduler_us_max": round(self.scheduler_max_s * 1e6, 1),
                 "post_ms_per_request": round(self.post_s / (self.posts or 1) * 1e3, 3),
             }
+
+    def start(self) -> None:
+        """Starts the thread that starts the lanes; called where SGLang installs the hook,
+        before the scheduler serves, so no request pays for a thread start."""
+        with self._lock:
+            if self._starter is None:
+                self._start_starter()
+
+    def _start_starter(self) -> None:
+        self._starter = threading.Thread(target=self._start_lanes, name="kvpub-register", daemon=True)
+        self._starter.start()
 
     # ------------------------------------------------------------------ lanes
 
@@ -315,4 +329,5 @@ def install_register_hook(registry: Any, hook_type: Any) -> bool:
     if CONN_MODULE not in sys.modules:
         return False
     registry.register(TARGET_REGISTER, register_hook, hook_type.AROUND)
+    registrar().start()
     return True
