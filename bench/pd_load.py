@@ -148,6 +148,7 @@ def cost_line(label: str, args: argparse.Namespace, work: Path, model: Path) -> 
     prompt_tokens = cached + sum(p.new_tokens for p in prefills)
     submitted = sum(r["submitted"] for r in registrations)
     enqueue_us = _weighted(registrations, "scheduler_us_per_request", "submitted")
+    enqueue_cpu_us = _weighted(registrations, "scheduler_cpu_us_per_request", "submitted")
     post_ms = _weighted(registrations, "post_ms_per_request", "registered")
     schedulers = len(rig.prefills) * spec.dp_size
     cpu_ms = cpu_s / requests * 1e3 if requests else 0.0
@@ -163,6 +164,8 @@ def cost_line(label: str, args: argparse.Namespace, work: Path, model: Path) -> 
         "registrations": submitted,
         "registration_failed": sum(sum(r["failed"].values()) for r in registrations),
         "registration_scheduler_us_per_request": round(enqueue_us, 2),
+        "registration_scheduler_cpu_us_per_request": round(enqueue_cpu_us, 2),
+        "registration_scheduler_us_max": max((r.get("scheduler_us_max", 0.0) for r in registrations), default=0.0),
         "registration_post_ms_per_request": round(post_ms, 3),
         "hit_fraction": round(cached / prompt_tokens, 3) if prompt_tokens else 0.0,
     }
@@ -179,7 +182,12 @@ def ratio_line(lines: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "bench": "pd_cost_ratio",
         # The scheduler thread's part of the registration over the scheduler's CPU time per request.
-        "registration_share_plugin": round(plugin["registration_scheduler_us_per_request"] / 1e3 / per_request_ms, 5),
+        "registration_share_plugin": round(
+            plugin["registration_scheduler_cpu_us_per_request"] / 1e3 / per_request_ms, 5
+        ),
+        "registration_share_plugin_wall": round(
+            plugin["registration_scheduler_us_per_request"] / 1e3 / per_request_ms, 5
+        ),
         "registration_share_follow_bootstrap_room": 0.0 if baseline["registrations"] == 0 else None,
         # What SGLang's own synchronous POST would have spent on that thread, per request.
         "registration_share_sglang_sync": round(plugin["registration_post_ms_per_request"] / per_request_ms, 4),
