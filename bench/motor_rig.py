@@ -90,18 +90,34 @@ class MotorRig:
         """Motor's controller-style registration of the instances, and the adapter subscribed."""
         raise NotImplementedError
 
+    # "memory", or "file:PATH": registrations kept across an adapter restart (restart_adapter)
+    adapter_registry = "memory"
+
     def _start_adapter(self) -> None:
         command = [sys.executable, "-m", "motor_adapter.cli", "serve", "--host", "127.0.0.1"]
-        command += ["--port", str(self.adapter_port), "--registry", "memory"]
+        command += ["--port", str(self.adapter_port), "--registry", self.adapter_registry]
         if self.adapter_kv_affinity:
             config = self.work_dir / "adapter_config.json"
             config.write_text(json.dumps({"kv_affinity": self.adapter_kv_affinity}), encoding="utf-8")
             command += ["--config", str(config)]
-        with open(self.adapter_log, "wb") as log:
+        with open(self.adapter_log, "ab") as log:
             self._adapter = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
             )
         self.wait_for(lambda: self.adapter_call("/health") is not None, "the adapter's /health")
+
+    def restart_adapter(self) -> None:
+        """``kill -9`` of the adapter, then the same command again (its log appended)."""
+        adapter, self._adapter = self._adapter, None
+        if adapter is not None:
+            adapter.kill()
+            adapter.wait(10)
+        self._start_adapter()
+
+    @property
+    def adapter_pid(self) -> int | None:
+        adapter = self._adapter
+        return None if adapter is None or adapter.poll() is not None else adapter.pid
 
     def stop(self) -> None:
         self.coordinator.stop()

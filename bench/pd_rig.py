@@ -116,6 +116,8 @@ class PdRigSpec:
     decode_max_total_tokens: int = 16384
     motor_config: Path = PD_EXAMPLE_CONFIG
     start_timeout_s: float = 900.0
+    prefill_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of Motor's env config
+    adapter_registry: str = "memory"  # "file:PATH": the adapter keeps its registrations across a restart
 
 
 def motor_pd_config_from_example(
@@ -159,6 +161,7 @@ class PdRig(motor_rig.MotorRig):
     def __init__(self, spec: PdRigSpec) -> None:
         super().__init__(spec.work_dir, spec.start_timeout_s)
         self.spec = spec
+        self.adapter_registry = spec.adapter_registry
         example = json.loads(spec.motor_config.read_text(encoding="utf-8"))
         prefill_section = example["motor_engine_prefill_config"]
         self.model_name = str(prefill_section["model_config"]["model_name"])
@@ -233,6 +236,7 @@ class PdRig(motor_rig.MotorRig):
         env = self._common_env("motor_engine_prefill_env")
         # CPU only: the cached-prefix early send records a CUDA event (docs/testing.md).
         env["SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"] = "0"
+        env.update(spec.prefill_env)
         return sglang_server.ServerSpec(
             model_path=spec.model_dir,
             log_path=spec.work_dir / f"prefill{n}.log",
@@ -342,7 +346,7 @@ class PdRig(motor_rig.MotorRig):
             prefill_lines={n: logs[n].splitlines() for n in prefills},
         )
 
-    def seed(self, prompt: str, prefill: int, *, timeout_s: float = 600.0) -> list[int]:
+    def seed(self, prompt: str, prefill: int, *, timeout_s: float = 600.0, room: int | None = None) -> list[int]:
         """Serves ``prompt`` on prefill ``prefill`` (and the decode) without Motor, exactly as
         Motor's ``pd_dual_dispatch`` sends a request: the same body with ``bootstrap_host``,
         ``bootstrap_port`` and a random ``bootstrap_room`` to both, ``max_tokens`` 1 to the
@@ -351,7 +355,7 @@ class PdRig(motor_rig.MotorRig):
         server = self.prefills[prefill]
         body = {"model": self.model_name, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
         body |= {"bootstrap_host": server.spec.host, "bootstrap_port": self.bootstrap_port}
-        body["bootstrap_room"] = random.randint(0, 2**63 - 1)
+        body["bootstrap_room"] = random.randint(0, 2**63 - 1) if room is None else room
         statuses: list[int] = [0, 0]
 
         def post(index: int, base_url: str, payload: dict[str, Any]) -> None:

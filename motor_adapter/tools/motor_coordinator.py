@@ -241,6 +241,11 @@ class Coordinator:
             raise CoordinatorError(f"/instances/refresh answered {status}: {text[:500]}")
         self._poll(self._instance_ready, timeout_s, "instance readiness")
 
+    @property
+    def pid(self) -> Union[int, None]:
+        """The daemon's process id while it runs."""
+        return None if self._proc is None or self._proc.poll() is not None else self._proc.pid
+
     def readiness(self) -> tuple[Union[int, None], str]:
         return self._get(self.mgmt_url + "/readiness")
 

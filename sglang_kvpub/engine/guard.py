@@ -31,6 +31,7 @@ __all__ = [
     "DESCRIBE",
     "FACTORY",
     "FANIN",
+    "PD_REGISTER",
     "disabled",
     "fail",
     "stats",
@@ -49,7 +50,8 @@ DESCRIBE = "describe"  # the /server_info kv_events block
 FACTORY = "factory"  # EventPublisherFactory.create: the rank publisher instead of SGLang's
 FANIN = "fanin"  # the fan-in started by the DataParallelController
 REASONS = "reasons"  # BlockRemoved.reason given at the recorder's take
-FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN, REASONS)
+PD_REGISTER = "pd_register"  # a PD prefill request's rank registration, off the scheduler thread
+FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN, REASONS, PD_REGISTER)
 
 # What SGLang does once the feature is off (the log line says it).
 _FALLBACK = {
@@ -62,6 +64,7 @@ _FALLBACK = {
     FACTORY: "SGLang's own per-rank publisher (base port + rank) serves this rank",
     FANIN: "no instance stream from this process",
     REASONS: "removals are published without a reason",
+    PD_REGISTER: "SGLang registers each PD prefill request's rank itself, on the scheduler thread",
 }
 
 _disabled: set[str] = set()

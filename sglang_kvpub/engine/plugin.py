@@ -163,6 +163,10 @@ def _register_release_hooks(registry: Any) -> None:
     install_reconcile_hook(registry)
     _runtime_registered.add(_RELEASE_HOOKS)
     log.info("sglang_kvpub: HBM-release hooks on %d tree methods, idle-time reconciliation on", len(hooked))
+    from sglang_kvpub.engine.pd_register import install_register_hook
+
+    # Only where SGLang's PD connection module is loaded (it is with the scheduler's imports).
+    install_register_hook(registry, sglang_compat.hook_api()[1])
 
 
 # --------------------------------------------------------------------------- CLI
