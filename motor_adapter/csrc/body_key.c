@@ -7,10 +7,10 @@
  *
  * The adapter's /query prompt-cache key: XXH3-128 of `data` (seed 0: xxhash.xxh3_128_intdigest's
  * value) shifted left by one with `flag` (0 or 1, the body's format) in bit 0.  Through the plain
- * XXH3 entry point, which stays on SSE2: the package's own function dispatches to AVX-512 here,
- * faster in a tight loop (0.6 against 1.1 us per 30 KB) but ~2 us more CPU per request in the
- * live server, which runs other code between two hashes and idles between requests (likely the
- * 512-bit units' warm-up and clock change; issue 32). */
+ * XXH3 entry point, which stays on SSE2: the package's own function dispatches to AVX-512, faster
+ * in a tight loop but dearer per request in the live server (docs/perf/query-cpu.md), which runs
+ * other code between two hashes and idles between requests (likely the 512-bit units' warm-up and
+ * clock change). */
 static PyObject *native_body_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_Format(PyExc_TypeError, "body_key takes 2 arguments (%zd given)", nargs);
