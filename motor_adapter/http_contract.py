@@ -166,7 +166,26 @@ def _load(value: Any) -> float:
 
 
 def as_dict(value: Any) -> Any:
-    """A dataclass instance as a dict (JSON answers), anything else as it is."""
+    """A dataclass instance as a dict for a JSON answer, anything else as it is.  A dict keyed by
+    tuples (``StreamHealth.removed``: (engine rank, reason) -> blocks) is nested by the tuple's
+    parts, ``{"0": {"capacity_eviction": 2}}``: JSON keys are strings."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
+        return _json_keys(dataclasses.asdict(value))
+    return value
+
+
+def _json_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        if not any(isinstance(key, tuple) for key in value):
+            return {key: _json_keys(item) for key, item in value.items()}
+        nested: dict[str, Any] = {}
+        for key, item in value.items():
+            parts = key if isinstance(key, tuple) else (key,)
+            node = nested
+            for part in parts[:-1]:
+                node = node.setdefault(str(part), {})
+            node[str(parts[-1])] = _json_keys(item)
+        return nested
+    if isinstance(value, list):
+        return [_json_keys(item) for item in value]
     return value

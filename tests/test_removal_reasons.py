@@ -146,6 +146,7 @@ def test_the_adapter_counts_removed_blocks_by_rank_and_reason() -> None:
     from conftest import free_tcp_port
 
     from motor_adapter.adapter_metrics import AdapterMetrics
+    from motor_adapter.http_contract import as_dict
     from motor_adapter.stream import StreamSubscriber
     from sglang_kvpub.config import PluginConfig
     from sglang_kvpub.core.index import PrefixIndex
@@ -186,6 +187,9 @@ def test_the_adapter_counts_removed_blocks_by_rank_and_reason() -> None:
         labels = 'engine_dp_rank="0",instance="inst",model="m",reason="capacity_eviction"'
         line = "motor_kv_adapter_removed_blocks_total{" + labels + "} 2"
         assert line in text, text
+        # /workers and /explain answer the same health in JSON, the removals nested by rank
+        shown = json.loads(json.dumps(as_dict(sub.health())))
+        assert shown["removed"] == {"0": {"capacity_eviction": 2}, "1": {"demoted_to_host": 1, "unknown": 1}}
     finally:
         sub.stop()
         fanin.stop()
