@@ -45,8 +45,17 @@ def rig(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
     log_dir = tmp_path_factory.mktemp("server-dp16")
     # --mem-fraction-static 0.5: see the module's docstring
     extra = ("--sleep-on-idle", "--mem-fraction-static", "0.5")
+    # dispatch_log "info": the repeat test reads the controller's per-decision lines (debug by default)
     with plugin_rig(
-        model_dir, log_dir, instance=INSTANCE, model_name=MODEL, page=PAGE, dp_size=DP, extra_args=extra, started=report
+        model_dir,
+        log_dir,
+        instance=INSTANCE,
+        model_name=MODEL,
+        page=PAGE,
+        dp_size=DP,
+        extra_args=extra,
+        started=report,
+        kv_events_extra={"dispatch_log": "info"},
     ) as made:
         yield made
 
