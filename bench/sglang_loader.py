@@ -33,7 +33,7 @@ first use (g++, ninja, OpenSSL headers; ~30 s once, then cached in
 ``$TORCH_EXTENSIONS_DIR``).  SGLang has no Python fallback, so where that toolchain is
 missing (or ``KVPUB_SGLANG_HASH=hashlib``) :func:`use_hashlib_native_hash` installs a
 ``hashlib`` stand-in that gives the same values for plain token pages (checked against
-the extension by tests/test_sglang_env.py).
+the extension by tests/wire/test_sglang_env.py).
 
 ``KVPUB_REQUIRE_SGLANG=1`` (set by ``.ci/run``) turns the skip markers off, so a broken
 CI environment fails instead of silently skipping.

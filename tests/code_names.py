@@ -1,6 +1,6 @@
 """What the code defines, read from the code: each CLI's flags from its real argparse parser, the
 environment variables it reads, the configuration keys of its settings dataclasses
-(tests/test_docs_truth.py checks the docs against them).  Nothing here is a list kept by hand:
+(tests/docs/test_docs_truth.py checks the docs against them).  Nothing here is a list kept by hand:
 a flag, variable or key added to the code is known here at once."""
 
 from __future__ import annotations

@@ -59,8 +59,8 @@ def exported_metrics(tmp_path_factory: pytest.TempPathFactory) -> str:
     replica series are there too) following one real instance stream (tests/stream_publisher.py)
     after a ``/query`` and an unregistered ``/query``: what an operator's Prometheus scrapes,
     every family the adapter exports present.  Skips without etcd (fails where CI requires it)."""
+    from fanin.test_stream import Pub
     from registry_procs import AdapterProcess, EtcdServer, http, require_etcd, wait_for
-    from test_stream import Pub
 
     tmp = tmp_path_factory.mktemp("exported-metrics")
     etcd = EtcdServer(require_etcd(), tmp / "etcd-data", tmp / "etcd.log")

@@ -1,4 +1,4 @@
-"""Child process of tests/test_dispatch.py: the REAL SGLang 0.5.23 DP-controller dispatch path
+"""Child process of tests/engine/test_dispatch.py: the REAL SGLang 0.5.23 DP-controller dispatch path
 with the cache-aware hook.  Prints one JSON object (what each scenario's requests reached).
 
 The controller is the real class, built with ``__new__`` (its ``__init__`` launches

@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``) as a test subprocess.
 
-Findings for ai-dynamo-runtime 1.6.1 (checked by tests/test_interop_dynamo.py):
+Findings for ai-dynamo-runtime 1.6.1 (checked by tests/fanin/test_interop_dynamo.py):
 - One registration per instance suffices: ``--workers "ID=tcp://host:port"`` or
   ``POST /register {"instance_id", "endpoint", "model_name", "block_size"[, "replay_endpoint"]}``.
   The indexer takes each batch's dp_rank from the batch's third field, so our one stream

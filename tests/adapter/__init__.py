@@ -1,0 +1,1 @@
+"""The router side: the service and its /query answers, scoring, rendering, readiness, metrics, tokenization."""

@@ -1,0 +1,1 @@
+"""The durable registry: stores, etcd over TLS, registrations surviving adapter restarts."""
