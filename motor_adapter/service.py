@@ -323,7 +323,7 @@ class _Handlers:
     async def _tokens(self, model: str, body: Mapping[str, Any]) -> list[int]:
         if body.get("token_ids") is not None:
             return token_ids_of(body["token_ids"])
-        return await asyncio.to_thread(self.state.tokens_of, model, body)  # tokenizers are slow
+        return await asyncio.to_thread(self.state.tokenizers.tokens_of, model, body)  # tokenizers are slow
 
     async def query(self, request: web.Request) -> web.Response:
         raw, is_msgpack = await self._raw(request)
@@ -360,7 +360,7 @@ class _Handlers:
             ids: Sequence[int] | None = body.token_ids if taken is None else memoryview(taken).cast("I")
             if ids is None:
                 fields = {"prompt": body.prompt, "messages": body.messages, "tools": body.tools}
-                ids = await asyncio.to_thread(self.state.tokens_of, model, fields)
+                ids = await asyncio.to_thread(self.state.tokenizers.tokens_of, model, fields)
             tokens = ids if type(ids) is memoryview else u32_tokens(ids)
             keys = sequence_keys(tokens, block_size)
             spread = spread_key(tokens, block_size)
@@ -410,7 +410,7 @@ class _Handlers:
         if not isinstance(bos, int) or isinstance(bos, bool):
             bos = None
         if bos is None and body.get("token_ids") is None and tokens is not None:
-            bos = getattr(self.state.tokenizer_for(model), "bos_token_id", None)
+            bos = getattr(self.state.tokenizers.for_model(model), "bos_token_id", None)
         report = await asyncio.to_thread(
             explain,
             self.state,
