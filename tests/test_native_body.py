@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import weakref
 from array import array
 from typing import Any
@@ -519,21 +517,3 @@ def test_body_key_refuses_what_is_no_buffer() -> None:
         NATIVE.body_key(b"x")
     with pytest.raises(TypeError):
         NATIVE.body_key(b"x", True, 3)
-
-
-def test_query_prompt_cache_key_is_the_same_with_or_without_the_helpers() -> None:
-    """``_PromptCache.key`` gives the reference value in this process (C when built) and in
-    one without the helpers (``KVPUB_NATIVE=0``): the same body, the same key."""
-    from motor_adapter import service
-
-    body = msgpack.packb({"model": "m", "token_ids": list(range(3000))})
-    want = service._body_key_py(body, True)
-    assert service._PromptCache.key(body, True) == want
-    assert service._body_key is (NATIVE.body_key if NATIVE is not None else service._body_key_py)
-    code = (
-        "import sys; from motor_adapter import service; from sglang_kvpub.core import hashing; "
-        "assert hashing.NATIVE is None; print(service._PromptCache.key(sys.stdin.buffer.read(), True))"
-    )
-    env = {**os.environ, "KVPUB_NATIVE": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, input=body, capture_output=True, check=True)
-    assert int(out.stdout) == want
