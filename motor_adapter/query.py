@@ -134,8 +134,8 @@ def _rendered(
     now = time.monotonic()
     prompt = keys[-1] if keys else spread  # the commit's key: once per prompt between two reports
     last = entry.last
-    if last is not None and last.holds(isl, spread, changes, now):
-        last.effects(prompt)  # the same answer again: its commit and metrics made again
+    if last is not None and last.isl == isl and last.spread == spread and last.changes == changes and now < last.until:
+        last.effects(prompt)  # the same answer again (LastRender.holds): its commit and metrics made again
         return last
     table = entry.table
     if table is None:  # the per-rank hits of these walk ends: one walk more when they first appear
