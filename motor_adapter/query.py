@@ -22,11 +22,13 @@ from motor_adapter.answer import (
     JSON_TYPE,
     Answer,
     Plan,
+    RankAnswered,
     cost_params,
     longest_hit_answer,
     rank_answer,
 )
 from motor_adapter.query_cache import LastRender, QueryCache, WalkEntry
+from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import KvAffinityConfig, TierCounts, best_rank, matched_tokens
 from sglang_kvpub.core.rank_cost import CostParams
@@ -99,18 +101,16 @@ def answer(
     the same), its metrics counted and, when rank-aware, its commit made.  Never mutate it."""
     affinity = view.affinity
     if affinity is not None and affinity.loads.figured:
-        if view.rank_static is not None:
-            walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (the reference answers)
-            if walk is not None:
-                rendered = _rendered(view, metrics, view.cache.entry(walk), keys, isl, spread)
-                if rendered is not None:
-                    metrics.observe_query(model, rendered.blocks, blocks, started)
-                    return rendered.answer
+        book = affinity.loads
+        changes = book.changes  # read first: a change while answering is seen next time
         now = time.monotonic()
-        tokens, _ = affinity.loads.tokens(view.rank_streams, now)
-        fresh = [token is not None for token in tokens]
-        if any(fresh):
-            return _by_rank(view, metrics, model, keys, blocks, started, isl, spread, fresh, now)
+        walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (nothing is cached then)
+        entry = view.cache.entry(walk) if walk is not None else None
+        ranked = _rank_aware(view, metrics, entry, keys, isl, spread, changes, now)
+        if ranked is not None:
+            ranked.effects(keys[-1] if keys else spread)  # the commit's key: once per prompt between two reports
+            metrics.observe_query(model, ranked.blocks, blocks, started)
+            return ranked.answer
     walk, remembered = best_ranks(view, keys)
     entry = view.cache.entry(walk) if remembered else WalkEntry(walk)
     if entry.longest_hit is None:
@@ -121,36 +121,85 @@ def answer(
     return done
 
 
-def _rendered(
-    view: View, metrics: AdapterMetrics, entry: WalkEntry, keys: list[int], isl: int, spread: int
+def _rank_aware(
+    view: View,
+    metrics: AdapterMetrics,
+    entry: Union[WalkEntry, None],
+    keys: list[int],
+    isl: int,
+    spread: int,
+    changes: int,
+    now: float,
 ) -> Union[LastRender, None]:
-    """The rank-aware answer of ``entry``'s walk result rendered in C, its commit and metrics
-    made; None when no instance has fresh loads or the renderer declines (a figure it would
-    not print exactly): the caller answers in Python then."""
-    static, affinity = view.rank_static, view.affinity
-    assert static is not None and affinity is not None
+    """The rank-aware answer with its side effects bound, None when no instance has fresh
+    loads: the walk result's last one again while it holds (:meth:`LastRender.holds`), else
+    rendered in C when the view renders there, else :func:`answer.rank_answer` in Python
+    (the reference: where C declines, or a figure would not print exactly).  ``entry``: the
+    walk result's cache entry (None: CPU or disk hold blocks, nothing is kept)."""
+    affinity = view.affinity
+    assert affinity is not None
     book = affinity.loads
-    changes = book.changes  # read first: a change while rendering is seen next time
-    now = time.monotonic()
-    prompt = keys[-1] if keys else spread  # the commit's key: once per prompt between two reports
-    last = entry.last
-    if last is not None and last.isl == isl and last.spread == spread and last.changes == changes and now < last.until:
-        last.effects(prompt)  # the same answer again (LastRender.holds): its commit and metrics made again
-        return last
-    table = entry.table
-    if table is None:  # the per-rank hits of these walk ends: one walk more when they first appear
-        all_hits = affinity.hits_for_keys(keys)
-        table = entry.table = rank_render.RankTable(
-            static, view.params, entry.walk, all_hits, view.cfg.block_size, _cells_of(view, metrics)
-        )
-    got = rank_render.render(static, table, book, now, isl, spread)
-    if not got:
+    if entry is not None:
+        last = entry.last
+        if (
+            last is not None
+            and last.isl == isl
+            and last.spread == spread
+            and last.changes == changes
+            and now < last.until
+        ):
+            return last  # LastRender.holds, inlined: the repeat of a prompt is the hot case
+        static = view.rank_static
+        if static is not None:
+            table = entry.table
+            if table is None:  # the per-rank hits of these walk ends: one walk more when they first appear
+                table = entry.table = rank_render.RankTable(
+                    static, view.params, entry.walk, _hits(entry, affinity, keys), view.cfg.block_size,
+                    _cells_of(view, metrics),
+                )  # fmt: skip
+            got = rank_render.render(static, table, book, now, isl, spread)
+            if got:
+                json, best_blocks, until, plan = got
+                counters = (metrics.instance_hits.repeat, metrics.scored_tokens.repeat)
+                made = rank_render.effects(static, table, book, plan, *counters)
+                entry.last = LastRender(isl, spread, changes, until, best_blocks, Answer(None, {JSON_TYPE: json}), made)
+                return entry.last
+    tokens, until = book.tokens(view.rank_streams, now)
+    fresh = [token is not None for token in tokens]
+    if not any(fresh):
         return None
-    json, best_blocks, until, plan = got
-    made = rank_render.effects(static, table, book, plan, metrics.instance_hits.repeat, metrics.scored_tokens.repeat)
-    made(prompt)
-    entry.last = LastRender(isl, spread, changes, until, best_blocks, Answer(None, {JSON_TYPE: json}), made)
-    return entry.last
+    all_hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
+    ranked = rank_answer(
+        view.tenant, view.plans, view.rank_plans, all_hits, book, fresh, now, isl, spread, view.cfg, view.shape,
+        metrics,
+    )  # fmt: skip
+    done = LastRender(isl, spread, changes, until, ranked.tally.best, ranked.answer, _effects(ranked, book, metrics))
+    if entry is not None:
+        entry.last = done
+    return done
+
+
+def _hits(entry: WalkEntry, affinity: KvAffinity, keys: list[int]) -> Mapping[str, Mapping[int, TierCounts]]:
+    """The per-rank hits of ``entry``'s walk ends (``hits_for_keys``), kept in the entry."""
+    if entry.hits is None:
+        entry.hits = affinity.hits_for_keys(keys)
+    return entry.hits
+
+
+def _effects(ranked: RankAnswered, book: RankLoadBook, metrics: AdapterMetrics) -> rank_render.Effects:
+    """What serving the Python answer ``ranked`` does, bound: count its hits and scored tokens,
+    and commit the prompt's uncached part to the rank it names (Motor picks this instance and
+    its dispatcher this rank), counted there until the instance's next report."""
+    adds, scored, commit = ranked.tally.adds, ranked.scored, ranked.commit
+
+    def make(prompt: int) -> None:
+        if adds:
+            metrics.instance_hits.repeat(adds)
+        metrics.observe_cells(scored)
+        if commit is not None:
+            book.commit(commit[0], commit[1], commit[2], prompt)
+
+    return make
 
 
 def _cells_of(view: View, metrics: AdapterMetrics) -> Callable[[rank_render.RankTable, int, int], rank_render.Cells]:
@@ -166,36 +215,6 @@ def _cells_of(view: View, metrics: AdapterMetrics) -> Callable[[rank_render.Rank
         return adds, metrics.scored_cell(plan.instance, rank) if scores else None
 
     return resolve
-
-
-def _by_rank(
-    view: View,
-    metrics: AdapterMetrics,
-    model: str,
-    keys: list[int],
-    blocks: int,
-    started: float,
-    isl: int,
-    spread: int,
-    fresh: Sequence[bool],
-    now: float,
-) -> Answer:
-    """:func:`answer.rank_answer` computed in Python, its commit made and metrics counted."""
-    affinity = view.affinity
-    assert affinity is not None
-    all_hits = affinity.hits_for_keys(keys)
-    ranked = rank_answer(
-        view.tenant, view.plans, view.rank_plans, all_hits, affinity.loads, fresh, now, isl, spread,
-        view.cfg, view.shape, metrics,
-    )  # fmt: skip
-    if ranked.commit is not None:
-        # The answer makes Motor pick this instance and its dispatcher this rank: count the
-        # prompt's uncached part there until the instance's next report.
-        stream, rank, tokens = ranked.commit
-        affinity.loads.commit(stream, rank, tokens, keys[-1] if keys else spread)
-    metrics.observe_cells(ranked.scored)
-    metrics.observe_tally(model, ranked.tally, blocks, started)
-    return ranked.answer
 
 
 def best_ranks(view: View, keys: list[int]) -> tuple[Mapping[str, tuple[int, TierCounts]], bool]:

@@ -11,10 +11,13 @@ over.  What an entry holds (each filled on first use):
 
 - ``longest_hit``: the longest-hit answer and its metrics tally - a function of the walk
   result alone (the view fixes the instances, block size and answer shape);
+- ``hits``: the per-rank hits of the walk's ends (``KvAffinity.hits_for_keys``), which the
+  rank-aware answer scores;
 - ``table``: the C renderer's per-walk inputs (:class:`motor_adapter.rank_render.RankTable`);
-- ``last``: the last rank-aware answer rendered from it, with the inputs besides the walk
-  result it is a function of (the prompt's length and tie-break key, the load book's change
-  count) and until when its loads stay fresh: the same inputs again give it again.
+- ``last``: the last rank-aware answer of it (rendered in C or computed in Python), with the
+  inputs besides the walk result it is a function of (the prompt's length and tie-break key,
+  the load book's change count) and until when its loads stay fresh: the same inputs again
+  give it again, its side effects made again.
 """
 
 from __future__ import annotations
@@ -25,12 +28,13 @@ from typing import Any, NamedTuple, Union
 from motor_adapter import rank_render
 from motor_adapter.adapter_metrics import HitTally
 from motor_adapter.answer import Answer
+from motor_adapter.scoring import TierCounts
 
 __all__ = ["LastRender", "QueryCache", "WalkEntry"]
 
 
 class LastRender(NamedTuple):
-    """A rank-aware answer rendered in C and what it is a function of besides the walk result."""
+    """A rank-aware answer and what it is a function of besides the walk result."""
 
     isl: int
     spread: int
@@ -47,11 +51,12 @@ class LastRender(NamedTuple):
 class WalkEntry:
     """The cached answers of one walk result (``walk``, kept alive by the entry)."""
 
-    __slots__ = ("last", "longest_hit", "table", "walk")
+    __slots__ = ("hits", "last", "longest_hit", "table", "walk")
 
     def __init__(self, walk: Mapping[str, Any]) -> None:
         self.walk = walk
         self.longest_hit: Union[tuple[Answer, HitTally], None] = None
+        self.hits: Union[Mapping[str, Mapping[int, TierCounts]], None] = None
         self.table: Union[rank_render.RankTable, None] = None
         self.last: Union[LastRender, None] = None
 
