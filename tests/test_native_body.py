@@ -1,5 +1,5 @@
 """The router's C helpers (motor_adapter._answer: the /query body's ids split off, decoded and
-hashed in one call, QueryKeysMemo's prefix reuse, the prompt cache's body key) against the
+hashed in one call, QueryKeysMemo's prefix reuse, the body key) against the
 Python path: the same keys, ids and refusals, with and without the memo, with both id
 decoders.  CI builds them and sets ``KVPUB_REQUIRE_NATIVE=1``.
 """
@@ -486,7 +486,7 @@ def test_wide_id_decode_equals_the_two_chains(seed: int) -> None:
 @needs_native
 @pytest.mark.parametrize("length", [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 30_000, 200_003])
 def test_body_key_is_xxh3_128_shifted_with_the_flag(length: int) -> None:
-    """The /query prompt cache's key in C: exactly ``(xxh3_128_intdigest(body) << 1) | flag``,
+    """The body key in C: exactly ``(xxh3_128_intdigest(body) << 1) | flag``,
     whichever XXH3 input-size path the length takes, from bytes and other buffers alike."""
     from xxhash import xxh3_128_intdigest
 

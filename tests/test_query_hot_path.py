@@ -1,4 +1,4 @@
-"""The ``/query`` hot path: the index's one-pass fold, the hashed-prompt cache, msgpack answers.
+"""The ``/query`` hot path: the index's one-pass fold, msgpack bodies and answers.
 
 ``PrefixIndex.deepest_npu`` must pick, per instance, exactly the rank and hit that folding
 ``query_keys`` with ``scoring.best_rank`` picks (while only NPU holds blocks). The service

@@ -1,5 +1,5 @@
 """The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``) against its
-reference, ``AdapterState._rank_answer`` in Python: the same JSON bytes, the same commits,
+reference, ``answer.rank_answer`` in Python: the same JSON bytes, the same commits,
 the same metrics, through random indexes, loads, weights and prompts."""
 
 from __future__ import annotations
