@@ -141,14 +141,8 @@ def _rank_aware(
     book = affinity.loads
     if entry is not None:
         last = entry.last
-        if (
-            last is not None
-            and last.isl == isl
-            and last.spread == spread
-            and last.changes == changes
-            and now < last.until
-        ):
-            return last  # LastRender.holds, inlined: the repeat of a prompt is the hot case
+        if last is not None and last.holds(isl, spread, changes, now):
+            return last
         static = view.rank_static
         if static is not None:
             table = entry.table
