@@ -12,7 +12,7 @@ in the same run, phases interleaved. Three phases:
   service has seen before - its hashed keys are cached; the index walk runs for every
   request, and the answer is rendered once per walk result, as for any prompt);
 - ``query_distinct``: every request a body never seen before (the prompt with its last
-  token changed per request): no prompt cache hit, so every request decodes, range-checks
+  token changed per request): no body seen before, so every request decodes, range-checks
   and hashes the ids its leading blocks do not share with a recent body (the handler's
   prefix reuse, docs/native.md: here the last block);
 - ``query_loads``, ``query_distinct_loads``: the same two while rank loads flow as in

@@ -1,6 +1,6 @@
 /* The router's C helpers (motor_adapter._answer, docs/native.md): what the adapter runs per
  * /query and nothing the engine needs - the msgpack body's ids split off, decoded and hashed in
- * one call (take_query_keys, with QueryKeysMemo's prefix reuse), the prompt cache's body key,
+ * one call (take_query_keys, with QueryKeysMemo's prefix reuse), a body key (no caller now),
  * and the rank-aware answer (rank_answer).  Python is the reference and the fallback for each.
  *
  * A unity build: the block keys (XXH3 bound from the xxhash package, chained keys), the

@@ -2,7 +2,7 @@
 
 What the adapter runs per ``/query`` and the engine never needs: the msgpack body's ids split
 off, decoded and hashed in one call (``take_query_keys``, ``take_token_ids``, with
-``QueryKeysMemo``'s prefix reuse), the prompt cache's body key (``body_key``) and the
+``QueryKeysMemo``'s prefix reuse), a body key no Python calls (``body_key``) and the
 rank-aware answer (``rank_answer``, :mod:`motor_adapter.rank_render`).  Bound to the xxhash
 package's XXH3 and checked as the engine's helpers are (:mod:`sglang_kvpub.core.native_loader`);
 ``MODULE`` is None - and the Python paths answer - when not built, turned off with
