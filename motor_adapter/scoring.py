@@ -21,7 +21,7 @@ fanned-in instance's engine ranks folded into the dp Motor registered.
 
 Why one module over 450 lines: it is Motor's ``kv_cache_affinity`` in one place - the
 configuration Motor reads, the cost, the fold over ranks and the two answer shapes - each
-part checked against the released Motor in tests/test_scoring.py and tests/test_motor_real.py.
+part checked against the released Motor in tests/adapter/test_scoring.py and tests/motor_compat/test_motor_real.py.
 """
 
 from __future__ import annotations
