@@ -87,7 +87,7 @@ from sglang_kvpub.config import PluginConfig, should_bind
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
 from sglang_kvpub.publish.folded_view import FoldedStream
-from sglang_kvpub.publish.replay_server import Job, ReplayServer
+from sglang_kvpub.publish.replay_server import ReplayServer
 from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
     ChannelPuller,
@@ -175,7 +175,6 @@ class FanIn(ReplayServer):
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._ranks: dict[int, RankState] = {}
         self._residency: dict[int, RankResidency] = {}
-        self._jobs: list[Job] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pub: zmq.Socket[bytes] | None = None
@@ -196,6 +195,7 @@ class FanIn(ReplayServer):
         self._rank_order = config.rank_order
         folded = config.folded_endpoint is not None
         self._folded = FoldedStream(config, self.epoch, self._lock, self.snapshot_batch_blocks) if folded else None
+        self._replies = self._replay_jobs()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -590,12 +590,12 @@ class FanIn(ReplayServer):
         """One wait for input (or the next timer), then everything that is due."""
         now = time.monotonic()
         # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
-        jobs = self._jobs
+        replies = self._replies
         folded = self._folded
-        folded_busy = folded is not None and folded.busy
+        folded_replies = folded.replies if folded is not None else None
         next_timer = min(self._next_beat, self._next_load) if self._load_source is not None else self._next_beat
-        if jobs or folded_busy:
-            runnable = (folded is not None and folded.runnable) or any(job.pending is None for job in jobs)
+        if replies.busy or (folded_replies is not None and folded_replies.busy):
+            runnable = replies.runnable or (folded_replies is not None and folded_replies.runnable)
             wait_s = 0.0 if runnable else min(max(0.0, next_timer - now), 0.01)
         else:
             wait_s = min(max(0.0, next_timer - now), 0.1)
@@ -608,15 +608,12 @@ class FanIn(ReplayServer):
             self._drain_channel(self._puller.socket)
         if self._packets is not None and ready:
             self._drain_packets(self._packets, poller, ready)
-        if self._router is not None and self._router in ready:
-            self._drain_requests(self._router)
-        if self._jobs:
-            self._advance_jobs()
-        if folded is not None and folded.router is not None:
-            if folded.router in ready:
-                folded.drain_requests()
-            if folded.busy:
-                folded.advance_jobs()
+        for router, jobs in ((self._router, replies), (folded.router if folded else None, folded_replies)):
+            if router is not None and jobs is not None:
+                if router in ready:
+                    jobs.drain(router)
+                if jobs.busy:
+                    jobs.advance(router)
         now = time.monotonic()
         if self._load_source is not None and now >= self._next_load:
             self._report_loads(now)
@@ -720,7 +717,7 @@ class FanIn(ReplayServer):
                 "seq": self._last_seq,
                 "batches": self._counter,
                 "buffered": len(self._buffer),
-                "jobs": len(self._jobs),
+                "jobs": len(self._replies),
                 "channel_connections": len(self._packets.connections) if self._packets is not None else None,
                 "channel_refused": self._packets.refused if self._packets is not None else None,
                 "never_seen": [r for r in range(self.dp_size) if r not in self._ranks],
