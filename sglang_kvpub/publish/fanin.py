@@ -3,8 +3,9 @@
 One per instance: in SGLang's DataParallelController process, or in the sidecar.
 
 Stream.  Each rank batch becomes exactly one instance batch (ranks never mixed, dp_rank
-set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` is random in
-``[1, 2**23)`` per start, ``n`` counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
+set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` in
+``[1, 2**23)`` is new per start and above the last start's (:func:`start_epoch`), ``n``
+counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
 an empty batch (``dp_rank`` None) goes out too; heartbeats take seqs and sit in the
 replay buffer like any batch, so seqs stay contiguous.  The first heartbeat is sent at
 ``start()``, so a snapshot always has a seq to refer to.
@@ -74,7 +75,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -113,7 +113,7 @@ from sglang_kvpub.wire import (
     tag_payload,
 )
 
-__all__ = ["FanIn", "RankState", "default_channel_endpoint"]
+__all__ = ["FanIn", "RankState", "default_channel_endpoint", "start_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class FanIn(ReplayServer):
     ) -> None:
         self.config = config
         self.dp_size = dp_size
-        self.epoch = secrets.randbelow(EPOCH_LIMIT - 1) + 1
+        self.epoch = start_epoch()
         self.channel_endpoint = channel_endpoint or resolve_channel_endpoint(config)
         self.listen_channel = listen_channel
         self.rank_timeout_s = rank_timeout_s if rank_timeout_s is not None else max(3.0 * config.heartbeat_s, 1.0)
@@ -727,6 +727,28 @@ class FanIn(ReplayServer):
                 "folded": self._folded.stats() if self._folded is not None else None,
                 **{key: self._counts[key] for key in _COUNTERS},
             }
+
+
+_last_epoch = [0]  # per process
+
+
+def start_epoch(now: float | None = None) -> int:
+    """The epoch of a fan-in start: the start's wall-clock second, modulo ``2**23 - 1``, plus
+    one - and above the last epoch drawn in this process.
+
+    Why the clock and not a random draw: a reader that checks the seq only for "last + 1"
+    (Dynamo's indexer) drops every batch whose seq is lower than the last one it applied,
+    so a restart drawing a lower epoch would be ignored by it for good; a higher one is a
+    gap it answers with a replay request, which a new epoch turns into a snapshot.  A
+    restart takes seconds (a process start, SGLang's model load), so the next start's
+    second is later.  The count wraps every 2**23 - 1 seconds (97 days): the first restart
+    after a wrap is lower, once."""
+    seconds = int(time.time() if now is None else now)
+    epoch = seconds % (EPOCH_LIMIT - 1) + 1
+    if epoch <= _last_epoch[0] < epoch + (EPOCH_LIMIT >> 1):
+        epoch = _last_epoch[0] % (EPOCH_LIMIT - 1) + 1  # two starts in one second, one process
+    _last_epoch[0] = epoch
+    return epoch
 
 
 _frozen = [False]  # per process
