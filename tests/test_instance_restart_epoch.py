@@ -22,6 +22,7 @@ from conftest import free_tcp_port
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.hashing import sequence_keys
+from sglang_kvpub.publish import fanin
 from sglang_kvpub.publish.fanin import EPOCH_LIMIT, FanIn, start_epoch
 from sglang_kvpub.publish.rank_publisher import RankPublisher
 
@@ -30,7 +31,8 @@ DP = 2
 HAVE_DYNAMO = importlib.util.find_spec("dynamo") is not None and importlib.util.find_spec("dynamo.indexer") is not None
 
 
-def test_epochs_follow_the_clock_rise_within_one_second_and_wrap() -> None:
+def test_epochs_follow_the_clock_rise_within_one_second_and_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fanin, "_last_epoch", [0])  # a fresh process
     assert start_epoch(now=1000.2) == 1001
     assert start_epoch(now=1000.9) == 1002  # a second start in the same second: above the last
     assert start_epoch(now=5000.0) == 5001  # a later start: the clock's
