@@ -83,11 +83,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
 from sglang_kvpub.publish.folded_view import FoldedStream
 from sglang_kvpub.publish.replay_server import ReplayServer
+from sglang_kvpub.publish.stream_sockets import bind_replay_router, open_pub
 from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
     ChannelPuller,
@@ -95,7 +96,7 @@ from sglang_kvpub.transport.channel import (
     parse_channel_message,
     resolve_channel_endpoint,
 )
-from sglang_kvpub.transport.curve import apply_server, server_keys_from_files, start_authenticator
+from sglang_kvpub.transport.curve import server_keys_from_files, start_authenticator
 from sglang_kvpub.transport.packet_channel import PacketListener
 from sglang_kvpub.transport.zmq_io import MORE_NOBLOCK, NOBLOCK, recv_frame, send_frame
 from sglang_kvpub.wire import (
@@ -208,24 +209,11 @@ class FanIn(ReplayServer):
         config = self.config
         curve = server_keys_from_files(config.curve_secret_key_file, config.curve_public_key_file)
         self._auth = start_authenticator(context, config.curve_authorized_keys) if curve else None
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, config.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        apply_server(pub, curve)
+        pub: zmq.Socket[bytes] | None = None
         try:
-            self.pub_connects = not should_bind(config.endpoint, config.bind)
-            if self.pub_connects:
-                pub.connect(config.endpoint)
-            else:
-                pub.bind(config.endpoint)
+            pub, self.pub_connects = open_pub(context, config.endpoint, bind=config.bind, hwm=config.hwm, curve=curve)
             if config.replay_endpoint:
-                router = context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 1000)
-                router.setsockopt(zmq.LINGER, 0)
-                apply_server(router, curve)
-                self._router = router
-                router.bind(config.replay_endpoint)
+                self._router = bind_replay_router(context, config.replay_endpoint, curve)
             if self._folded is not None:
                 self._folded.open(context, curve, self._current_residency)
             if self.listen_channel and self.channel_endpoint.startswith(PACKET_SCHEME):

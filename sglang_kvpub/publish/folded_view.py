@@ -33,12 +33,12 @@ from typing import Any
 
 import zmq
 
-from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.instance_fold import InstanceFold
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency
 from sglang_kvpub.publish.replay_jobs import ReplayJobs
-from sglang_kvpub.transport.curve import apply_server
+from sglang_kvpub.publish.stream_sockets import bind_replay_router, open_pub
 from sglang_kvpub.transport.zmq_io import MORE_NOBLOCK, NOBLOCK, send_frame
 from sglang_kvpub.wire import (
     END_SEQ_BYTES,
@@ -99,26 +99,12 @@ class FoldedStream:
         rank's residency, current, for a snapshot (called under the lock)."""
         self._residencies = residencies
         config = self._config
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, config.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        apply_server(pub, curve)
+        pub, _ = open_pub(context, self.endpoint, bind=config.bind, hwm=config.hwm, curve=curve)
         try:
-            if should_bind(self.endpoint, config.bind):
-                pub.bind(self.endpoint)
-            else:
-                pub.connect(self.endpoint)
             if self.replay_endpoint:
-                router = context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 1000)
-                router.setsockopt(zmq.LINGER, 0)
-                apply_server(router, curve)
-                self.router = router
-                router.bind(self.replay_endpoint)
+                self.router = bind_replay_router(context, self.replay_endpoint, curve)
         except zmq.ZMQError:
             pub.close(linger=0)
-            self.close()
             raise
         self._pub = pub
         log.info("kvpub folded view: PUB %s, replay %s, %s events", self.endpoint, self.replay_endpoint, self.encoding)
