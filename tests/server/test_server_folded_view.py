@@ -30,7 +30,7 @@ a new process, a new fan-in epoch, every rank's cache empty) and one rank stores
 
 A clear of ONE rank is not reachable on the real server: SGLang 0.5.23's ``/flush_cache``
 (``FlushCacheReqInput``: a timeout, no rank) goes to every rank, and no other endpoint
-clears one rank's cache.  tests/test_folded_view.py covers a one-rank clear and a one-rank
+clears one rank's cache.  tests/fanin/test_folded_view.py covers a one-rank clear and a one-rank
 restart with real rank publishers and a real fan-in.
 """
 
