@@ -1,5 +1,5 @@
-"""Shared fixtures and helpers: free loopback endpoints, private ipc directories, polling a real
-condition, and an adapter state fed by hand.
+"""Shared fixtures and helpers: free loopback endpoints, private ipc directories, a ZMQ context,
+polling a real condition, and an adapter state fed by hand.
 
 Tests never use fixed ports: several suites (and developers) run at once on one machine.
 Imports of ``motor_adapter`` stay inside the helpers: the README's clean venv collects every
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from sglang_kvpub.tools.ports import free_port as free_tcp_port
 from sglang_kvpub.tools.ports import free_port_block
@@ -81,6 +82,14 @@ def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
 @pytest.fixture
 def tcp_endpoint() -> Callable[[], str]:
     return free_tcp_endpoint
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    """A ZMQ context for the test, destroyed after it (lingering sockets dropped)."""
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture
