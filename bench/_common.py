@@ -1,4 +1,4 @@
-"""Small helpers shared by the benches: JSON-line output, percentiles, a timer, the issue targets."""
+"""Small helpers shared by the benches: JSON-line output, percentiles, a timer, the targets."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def timer() -> Iterator[Timer]:
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One issue target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
+    """One target: ``figure`` of ``bench`` (the record with ``where``) compared with ``limit``."""
 
     bench: str
     figure: str
@@ -94,14 +94,14 @@ _SYNTHETIC = ("trace", "synthetic_trace.jsonl")
 _AGENTIC = ("trace", "agentic_sessions")
 _DEFAULT = ("policy", "default")
 
-# The targets the issues set (issues 2, 3, 4, 5, 6, 9, 10, 16, 19, 21, 31, 32, 33): ONE list, read by every bench
+# The project's performance targets: ONE list, read by every bench
 # for its own JSON line and by run_all.py for the README's table.
 TARGETS: tuple[Target, ...] = (
     Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "map"),)),
     Target("wire", "decode_ratio", ">=", 0.8, where=(("encoding", "array"),)),
     Target("fanin", "added_latency_p99_ms", "<=", 1.0),
     Target("fanin", "throughput_ratio_vs_direct", ">=", 0.8),
-    # Issue 32: the added-latency bound in every one of `bench/fanin.py --runs 5`.
+    # The added-latency bound in every one of `bench/fanin.py --runs 5`, not on average.
     Target("fanin", "runs_met", ">=", "runs", where=(("summary", "every run"),)),
     Target("residency", "step_overhead_us_median", "<=", 20.0),
     Target("residency", "reconcile_slice_ms_max", "<=", 1.0),
@@ -115,14 +115,14 @@ TARGETS: tuple[Target, ...] = (
     Target("service", "query_cpu_us", "<=", "noop_cpu_us", factor=1.2),
     Target("service", "query_distinct_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3),
     Target("service", "query_distinct_cpu_us", "<=", "noop_cpu_us", factor=1.5),
-    # The same bounds while rank loads flow, as in production (issue 33's rank-aware answers).
+    # The same bounds while rank loads flow, as in production (rank-aware answers).
     Target("service", "query_loads_cpu_us", "<=", "noop_cpu_us", factor=1.2),
     Target("service", "query_distinct_loads_cpu_us", "<=", "noop_cpu_us", factor=1.5),
     Target("replay", "ops_per_s", ">=", "baseline_ops_per_s", factor=2.0),
     Target("replay", "find_matches_p99_us", "<=", "baseline_find_matches_p99_us"),
     Target("scale", "lag_p99_ms", "<=", 100.0, where=(("instances", 100),)),
     Target("scale", "query_p99_ms", "<=", "noop_p99_ms", factor=2.0, offset=0.3, where=(("instances", 100),)),
-    # The issue's estimate, 144 B x entries: RSS within 20 % of it once the index runs in
+    # The design estimate, 144 B x entries: RSS within 20 % of it once the index runs in
     # steady churn (every rank's LRU turned over: CPython's dicts re-grown over removed
     # entries), and not above it by more right after the fill (tables allocated but not yet
     # all touched, so RSS sits lower there).  The index's own account (stats(), sampled) is
@@ -145,7 +145,7 @@ TARGETS: tuple[Target, ...] = (
     Target("e2e", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e", "motor_scored_hit_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
-    # Issue 33: the default path (Motor over the adapter's /query answer + the plugin's dispatcher)
+    # The default path (Motor over the adapter's /query answer + the plugin's dispatcher)
     # on both Mooncake traces and the generated agentic sessions.
     *(
         target

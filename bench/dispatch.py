@@ -11,7 +11,7 @@ decision class - ``cold`` (no rank holds block 0), ``partial`` (a stored prompt 
 then new tokens), ``full_hit`` (a whole stored prompt: every block held, the most hashing a
 decision does; 1,000 more of them after the mixed run) - as wall time (``decision_us_*``)
 and this thread's CPU time (``decision_cpu_us_*``: what other processes on a busy machine
-cannot inflate).  Target (issue 19): p99 <= 50 us for every class, ``targets`` in the line.
+cannot inflate).  Target: p99 <= 50 us for every class, ``targets`` in the line.
 The stored prompts are kept as arrays and the workload's garbage is collected before timing,
 so a collection pause of the harness's own objects is not charged to a decision.  Each
 query's array is copied just before its decision (untimed): SGLang's controller decides on

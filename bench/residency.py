@@ -28,10 +28,10 @@ One JSON line:
   they equal the CPU figures; on a shared one they show the preemptions.
   The unified run starts right after the ``gc.collect()`` that frees the legacy 1M-page
   tree (torch tensors, key arrays, children tables: ~10^5 chunks back to glibc's malloc).
-  That is the state in which a slice once took 2.3 ms (issue 32): glibc defers sorting
+  In that state a slice can take milliseconds: glibc defers sorting
   freed chunks and merging its fast bins to the next request above pymalloc's 512 B, and a
   slice that made one (a DFS-stack realloc, a 1 KB ``dict.fromkeys`` table) paid for them
-  all - perf samples in ``_int_malloc`` / ``malloc_consolidate``.  Slices now allocate only
+  all - perf samples in ``_int_malloc`` / ``malloc_consolidate``.  Slices allocate only
   through pymalloc on the common path (engine/reconcile.py, "Allocation");
   ``reconcile_slow_slice_cause`` in the line says so.  The unified repair runs
   ``--unified-repeats`` times (default 6), each after the previous tree was freed; the line

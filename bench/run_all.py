@@ -55,7 +55,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench(
         "fanin",
         "bench/fanin.py",
-        args=("--runs", "5"),  # issue 32: the bound in every one of 5 runs
+        args=("--runs", "5"),  # the bound must hold in every one of 5 runs, not on average
         quick=(("--ranks", "4"), ("--seconds", "1"), ("--producers", "2"), ("--host-probe-s", "0.2"), ("--runs", "1")),
     ),
     Bench(
@@ -65,14 +65,14 @@ BENCHES: tuple[Bench, ...] = (
     ),
     Bench("index", "bench/index.py", quick=(("--blocks", "100000"), ("--queries", "200"), ("--no-memory", None))),
     Bench("service", "bench/service.py", quick=(("--seconds", "1"), ("--rounds", "1"), ("--clients", "16"))),
-    # The Mooncake conversation trace through the index and Dynamo's RadixTree (issue 32).
+    # The Mooncake conversation trace through the index and Dynamo's RadixTree.
     Bench(
         "replay",
         "bench/replay.py",
         args=("--trace", str(TRACES / "conversation_trace.jsonl")),
         quick=(("--limit", "1500"),),
     ),
-    # N dp-16 instances into one motor-kv-adapter serve process (issue 32); up to ~6 GB.
+    # N dp-16 instances into one motor-kv-adapter serve process; up to ~6 GB.
     Bench(
         "scale",
         "bench/scale.py",
@@ -101,7 +101,7 @@ BENCHES: tuple[Bench, ...] = (
         args=("--trace", str(TRACES / "synthetic_trace.jsonl")),
         quick=(("--limit", "3000"), ("--no-plot", None)),
     ),
-    # Agentic multi-turn sessions generated from a seed (issue 33): no input file.
+    # Agentic multi-turn sessions generated from a seed: no input file.
     Bench(
         "routing",
         "bench/routing.py",

@@ -31,7 +31,7 @@ Measured while it ingests, from this (driver) process:
   per request - the stream threads' ingest CPU is not in it.
 - RSS of the adapter after the fill, minus its RSS once every instance was registered and
   synced (empty index), against the index's own account of its bytes (``PrefixIndex.stats()``
-  in the adapter, read through a bench-only route), and per entry against the issue's
+  in the adapter, read through a bench-only route), and per entry against the design's
   budget of 144 B (entries: (worker, block) pairs held, counted by the generator's model of
   each rank).  Beside it, the same growth split by allocator (bench/memory.py's fields).
   ``steady_*``: the same figures again after the measurement's churn (every rank's LRU
@@ -76,7 +76,7 @@ BS = 128
 RANKS = 16
 MODEL = "scale-model"
 SYSTEM_PAGES = 8
-BUDGET_BYTES = 144  # the issue's budget per (worker, block) entry; the estimate is the index's own account
+BUDGET_BYTES = 144  # the design budget per (worker, block) entry; the estimate is the index's own account
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 GENERATOR_BUSY_PCT = 85.0  # of one core: past it the generator's own loop delays what it sends
 
@@ -581,7 +581,7 @@ def _ratio(num: float, den: float, digits: int) -> float | None:
 
 def _memory_figures(full: dict[str, Any], empty: dict[str, Any], entries: int) -> dict[str, Any]:
     """The adapter's RSS growth over the fill against the index's own account of its bytes
-    (for this workload) and the issue's budget per entry; the growth split by allocator.  An
+    (for this workload) and the design budget per entry; the growth split by allocator.  An
     empty index (no entries, or none in the index's account) gives None for the per-entry
     figures: no figure rather than a crash or a 0 a target would read as met."""
     grown = full["rss"] - empty["rss"]

@@ -8,23 +8,23 @@ the body, answers ``{}``) of the same app - same aiohttp stack, same middleware 
 in the same run, phases interleaved. Three phases:
 
 - ``noop``: the baseline;
-- ``query``: one prompt posted again and again (the issue's workload: a prompt the
+- ``query``: one prompt posted again and again (Motor's repeat: a prompt the
   service has seen before - its hashed keys are cached; the index walk runs for every
   request, and the answer is rendered once per walk result, as for any prompt);
 - ``query_distinct``: every request a body never seen before (the prompt with its last
-  token changed per request): no prompt cache hit, so every request decodes, range-checks
+  token changed per request): no body seen before, so every request decodes, range-checks
   and hashes the ids its leading blocks do not share with a recent body (the handler's
   prefix reuse, docs/native.md: here the last block);
 - ``query_loads``, ``query_distinct_loads``: the same two while rank loads flow as in
   production: every instance's stream sends a rank-load message (``wire.LoadReport``,
   through its codec, into the book as the subscriber thread hands it on) every
   ``--load-period`` seconds with changed figures (the fan-in's ``load_report_s``), so every
-  answer is rank-aware (issue 33: the rank that would serve the request, its hit and load)
+  answer is rank-aware (the rank that would serve the request, its hit and load)
   and each answer commits its prompt's uncached tokens to the rank it names.
 
-Prints one JSON line with ``targets`` (issue 19: p99 <= 2 x no-op p99 + 0.3 ms; issue 32: CPU
-per request <= 1.2 x no-op's for ``query``, <= 1.5 x for ``query_distinct``, the same bounds
-for the two phases with rank loads).
+Prints one JSON line with ``targets`` (p99 <= 2 x no-op p99 + 0.3 ms; CPU per request
+<= 1.2 x no-op's for ``query``, <= 1.5 x for ``query_distinct``, the same bounds for the two
+phases with rank loads: the service adds little to what any aiohttp endpoint costs).
 
 ``*_cpu_us``: the server process's CPU time per request in each phase (read before and after
 every phase). Unlike the latencies they hardly move when other processes load the machine,

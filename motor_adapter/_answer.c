@@ -1,11 +1,11 @@
 /* The router's C helpers (motor_adapter._answer, docs/native.md): what the adapter runs per
  * /query and nothing the engine needs - the msgpack body's ids split off, decoded and hashed in
- * one call (take_query_keys, with QueryKeysMemo's prefix reuse), the prompt cache's body key,
+ * one call (take_query_keys, with QueryKeysMemo's prefix reuse), a body key (no caller now),
  * and the rank-aware answer (rank_answer).  Python is the reference and the fallback for each.
  *
- * A unity build: the block keys (XXH3 bound from the xxhash package, chained keys) and the
- * msgpack id decoders are the engine's files (sglang_kvpub/core/csrc/), compiled here too so
- * both extensions hash and decode with the same code; the rest is motor_adapter/csrc/.
+ * A unity build: the block keys (XXH3 bound from the xxhash package, chained keys), the
+ * msgpack id decoders and the u64 -> u64 table are the engine's files (sglang_kvpub/core/csrc/),
+ * compiled here too so both extensions hash, decode and index with the same code; the rest is motor_adapter/csrc/.
  * Little-endian hosts only, as the engine's. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +21,7 @@
 
 #include "sglang_kvpub/core/csrc/hash.c"
 #include "sglang_kvpub/core/csrc/msgpack_ids.c"
+#include "sglang_kvpub/core/csrc/u64_table.c"
 #include "csrc/query_body.c"
 #include "csrc/body_key.c"
 #include "csrc/answer.c"

@@ -1,6 +1,6 @@
 """The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``, docs/native.md).
 
-``AdapterState._rank_answer`` is the reference: per instance the rank that would serve the
+``motor_adapter.answer.rank_answer`` is the reference: per instance the rank that would serve the
 request, Motor's values, the entry, rendered as a dict and encoded.  For the common shape -
 every registered instance one fanned-in stream, the "tokens" answer shape, the NPU tier
 alone holding blocks - the C helper computes the same answer in one call and writes the

@@ -21,7 +21,7 @@ fanned-in instance's engine ranks folded into the dp Motor registered.
 
 Why one module over 450 lines: it is Motor's ``kv_cache_affinity`` in one place - the
 configuration Motor reads, the cost, the fold over ranks and the two answer shapes - each
-part checked against the released Motor in tests/test_scoring.py and tests/test_motor_real.py.
+part checked against the released Motor in tests/adapter/test_scoring.py and tests/motor_compat/test_motor_real.py.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Union
 
+from sglang_kvpub.core.cost_settings import COST_KEYS, cost_problems, number_problems
 from sglang_kvpub.core.errors import ConfigError
 from sglang_kvpub.core.tiers import TierHit
 
@@ -200,15 +201,13 @@ def _validate(values: Mapping[str, Any], prefix: str) -> list[str]:
     mode = values.get("mode", "unified")
     if not isinstance(mode, str) or mode.strip().lower() not in MODES:
         problems.append(f'{prefix}mode is {mode!r}: set it to "unified" or "load_gated"')
+    problems += cost_problems(values, prefix)  # the rank cost's keys, as the engine's are checked
     for key in _FLOAT_KEYS:
-        if key in values:
-            problems += _check_number(prefix + key, values[key], integer=False)
+        if key in values and key not in COST_KEYS:
+            problems += number_problems(prefix + key, values[key])
     for key in _INT_KEYS:
         if key in values:
-            problems += _check_number(prefix + key, values[key], integer=True)
-    for key in _GUARD_KEYS:
-        if values.get(key) is not None:
-            problems += _check_number(prefix + key, values[key], integer=False)
+            problems += number_problems(prefix + key, values[key], integer=True)
     threshold = values.get("hit_rate_threshold", 0.0)
     if _is_number(threshold) and threshold > 1:
         problems.append(f"{prefix}hit_rate_threshold is {threshold}: it is a ratio, use a value in [0, 1] (0 = off)")
@@ -220,21 +219,6 @@ def _validate(values: Mapping[str, Any], prefix: str) -> list[str]:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _check_number(key: str, value: Any, *, integer: bool) -> list[str]:
-    kind = "a whole number" if integer else "a number"
-    if isinstance(value, str):
-        return [f"{key} is the string {value!r}: write {kind} without quotes"]
-    if not _is_number(value):
-        return [f"{key} is {value!r}: it must be {kind} >= 0"]
-    if integer and not isinstance(value, int):
-        if float(value).is_integer():
-            return []
-        return [f"{key} is {value!r}: it must be {kind}, e.g. {int(value)}"]
-    if value < 0:
-        return [f"{key} is {value!r}: it must be >= 0"]
-    return []
 
 
 # --------------------------------------------------------------------------- fold and cost

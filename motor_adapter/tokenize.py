@@ -20,11 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TokenizerError", "load_tokenizer", "encode_completion", "encode_chat", "encode_request"]
+from motor_adapter.http_contract import RequestError, token_ids_of
+
+__all__ = ["TokenizerError", "Tokenizers", "load_tokenizer", "encode_completion", "encode_chat", "encode_request"]
 
 log = logging.getLogger(__name__)
 
@@ -162,3 +165,46 @@ def encode_request(tokenizer: Any, body: Mapping[str, Any]) -> list[int]:
     if body.get("prompt") is not None:
         return encode_completion(tokenizer, body["prompt"])
     raise TokenizerError("the body has neither prompt nor messages")
+
+
+class Tokenizers:
+    """Each model's tokenizer (``tokenizers[model]``, else ``default_path``), loaded on first
+    use; a request's prompt or messages through it, with the HTTP errors the API names."""
+
+    def __init__(self, tokenizers: Mapping[str, str], default_path: str | None, trust_remote_code: bool) -> None:
+        self._paths = tokenizers
+        self._default = default_path
+        self._trust_remote_code = trust_remote_code
+        self._lock = threading.Lock()
+        self._loaded: dict[str, Any] = {}
+
+    def for_model(self, model: str) -> Any:
+        path = self._paths.get(model) or self._default
+        if not path:
+            raise RequestError(
+                400, "no_tokenizer", "prompt/messages need a tokenizer: set tokenizer_path (or tokenizers) in --config"
+            )
+        with self._lock:
+            tok = self._loaded.get(path)
+        if tok is None:
+            try:
+                tok = load_tokenizer(path, trust_remote_code=self._trust_remote_code)
+            except TokenizerError as exc:
+                raise RequestError(500, "tokenizer_unavailable", str(exc)) from exc
+            with self._lock:
+                self._loaded[path] = tok
+        return tok
+
+    def tokens_of(self, model: str, body: Mapping[str, Any]) -> list[int]:
+        """``token_ids`` as given, else ``prompt``/``messages`` through the model's tokenizer."""
+        if body.get("token_ids") is not None:
+            return token_ids_of(body["token_ids"])
+        if body.get("prompt") is None and body.get("messages") is None:
+            raise RequestError(400, "bad_field", "the body needs token_ids, prompt or messages")
+        tok = self.for_model(model)
+        try:
+            return encode_request(tok, body)
+        except TokenizerError as exc:
+            raise RequestError(400, "bad_prompt", str(exc)) from exc
+        except Exception as exc:  # a chat template may raise anything on odd input
+            raise RequestError(400, "bad_prompt", f"{type(exc).__name__}: {exc}") from exc

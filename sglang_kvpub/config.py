@@ -102,7 +102,7 @@ class PluginConfig:
     rank_queue_size: int = 10_000
     full_policy: FullPolicy = "drop_oldest"
     rank_send: RankSendName = "inline"
-    dp_dispatch: DispatchName = "cache_aware"  # the default with the plugin (issue #21); "default" opts out
+    dp_dispatch: DispatchName = "cache_aware"  # on by default with the plugin; "default" opts out
     load_report_s: float = 0.1  # the rank-load message (wire.LoadReport) at most this often; 0: never
     # The folded view (docs/wire.md "Which view"): the instance as one cache on its own PUB.
     folded_endpoint: Union[str, None] = None

@@ -1,6 +1,6 @@
 /* The rank-aware /query answer in one C call (docs/native.md, "rank_answer").
  *
- * AdapterState._rank_answer (motor_adapter/state.py) is the reference and the fallback: this
+ * motor_adapter.answer.rank_answer is the reference and the fallback: this
  * computes the same answer for the common shape - every registered instance one fanned-in
  * stream, the "tokens" answer shape, the NPU tier alone holding blocks - and renders it as
  * the JSON bytes msgspec writes for the reference's dict.  Per instance: the rank that would

@@ -1,7 +1,7 @@
 /* The adapter's /query body: take_token_ids, take_query_keys and QueryKeysMemo.
  *
- * One file of the _native extension: a unity build, included by sglang_kvpub/core/_native.c in
- * order (docs/native.md says what each part is for and why it is native). */
+ * One file of the router's _answer extension: a unity build, included by
+ * motor_adapter/_answer.c in order (docs/native.md says what each part is for). */
 
 /* Whether the msgpack value from `at` to `end` is the string `name`. */
 static int msgpack_str_equals(const unsigned char *at, const unsigned char *end, const char *name, size_t name_len) {
@@ -75,6 +75,7 @@ typedef struct {
 typedef struct {
     PyObject_HEAD memo_entry *slots;
     Py_ssize_t capacity; /* slots: the entry bound */
+    u64_table index;     /* probe -> its entry's slot; room for `capacity` made up front */
     Py_ssize_t used;
     Py_ssize_t bytes;
     Py_ssize_t max_bytes;
@@ -111,19 +112,26 @@ static void memo_reuse_drop(memo_reuse *reuse) {
     Py_CLEAR(reuse->exact);
 }
 
-/* The entry remembered under `probe`: in its home slot or the one after (two choices, so two
- * conversations whose probes share a home do not push each other out). */
+/* The entry remembered under `probe`, found by the index; with `free_slot`, where a new entry
+ * goes when there is none: an empty slot, else the oldest entry's. */
 static memo_entry *memo_find(QueryKeysMemoObject *memo, uint64_t probe, memo_entry **free_slot) {
-    memo_entry *home = &memo->slots[probe % (uint64_t)memo->capacity];
-    memo_entry *next = home + 1 < memo->slots + memo->capacity ? home + 1 : memo->slots;
-    if (home->stamp != 0 && home->probe == probe) {
-        return home;
+    uint64_t at;
+    if (u64_get(&memo->index, probe, &at)) {
+        return &memo->slots[at];
     }
-    if (next->stamp != 0 && next->probe == probe) {
-        return next;
-    }
-    if (free_slot != NULL) { /* where a new entry goes: an empty slot, else the older one */
-        *free_slot = home->stamp == 0 || (next->stamp != 0 && home->stamp < next->stamp) ? home : next;
+    if (free_slot != NULL) {
+        memo_entry *oldest = NULL;
+        for (Py_ssize_t i = 0; i < memo->capacity; i++) {
+            memo_entry *entry = &memo->slots[i];
+            if (entry->stamp == 0) {
+                oldest = entry;
+                break;
+            }
+            if (oldest == NULL || entry->stamp < oldest->stamp) {
+                oldest = entry;
+            }
+        }
+        *free_slot = oldest;
     }
     return NULL;
 }
@@ -211,6 +219,8 @@ static uint32_t shortest_bytes(const uint32_t *ids, Py_ssize_t count) {
 static memo_entry memo_take(QueryKeysMemoObject *memo, memo_entry *slot) {
     const memo_entry old = *slot;
     if (old.stamp != 0) {
+        uint64_t at;
+        (void)u64_take(&memo->index, old.probe, &at);
         memo->used--;
         memo->bytes -= old.bytes;
     }
@@ -286,6 +296,7 @@ static void memo_remember(memo_reuse *reuse, PyObject *body, const body_split *s
         .keys = key_tuple,
         .ends = ends,
     };
+    (void)u64_set(&memo->index, reuse->probe, (uint64_t)(slot - memo->slots)); /* never grows: room made */
     memo->used++;
     memo->bytes += bytes;
     memo->last = slot;
@@ -329,10 +340,15 @@ static PyObject *querykeysmemo_new(PyTypeObject *type, PyObject *args, PyObject 
     if (memo == NULL) {
         return NULL;
     }
+    u64_table_init(&memo->index, 1, 2, 16, 0);
     memo->slots = PyMem_Calloc((size_t)max_entries, sizeof(memo_entry));
     if (memo->slots == NULL) {
         Py_DECREF(memo);
         return PyErr_NoMemory();
+    }
+    if (u64_reserve(&memo->index, (size_t)max_entries) != 0) { /* so remembering never allocates */
+        Py_DECREF(memo);
+        return NULL;
     }
     memo->capacity = max_entries;
     memo->max_bytes = max_bytes;
@@ -343,6 +359,7 @@ static void querykeysmemo_dealloc(PyObject *self) {
     QueryKeysMemoObject *memo = (QueryKeysMemoObject *)self;
     memo_clear_all(memo);
     PyMem_Free(memo->slots);
+    u64_drop(&memo->index);
     Py_TYPE(self)->tp_free(self);
 }
 
@@ -405,7 +422,7 @@ static PyTypeObject QueryKeysMemoType = {
     .tp_as_sequence = &querykeysmemo_as_sequence,
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "QueryKeysMemo(max_entries=256, max_bytes=16 MiB): take_query_keys's recent bodies, for "
-              "their shared leading blocks (see _native.c).",
+              "their shared leading blocks (see query_body.c).",
     .tp_methods = querykeysmemo_methods,
     .tp_members = querykeysmemo_members,
     .tp_new = querykeysmemo_new,

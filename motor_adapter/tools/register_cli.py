@@ -49,11 +49,11 @@ def motor_body(config: Mapping[str, Any], ip: str, instance_id: str, endpoint_id
     ``endpoint`` key, ``type`` always ``vLLM``, ``block_size`` from the engine's ``block-size``
     (never ``page-size``, never the conductor section), ``modelname`` the instance's model name.
     """
-    from motor_adapter.config_check import _engine_args, _find_engine, _kv_events
+    from motor_adapter.motor_user_config import engine_args, find_engine, kv_events
 
-    engine_key, engine = _find_engine(config)
-    args = _engine_args(engine)
-    events, why = _kv_events(args)
+    engine_key, engine = find_engine(config)
+    args = engine_args(engine)
+    events, why = kv_events(args)
     if events is None:
         raise ValueError(f"{engine_key}.engine_config.kv-events-config {why}: nothing to subscribe to")
     model_config = engine.get("model_config") if isinstance(engine, Mapping) else None

@@ -1,5 +1,5 @@
 """The engine-neutral core: block hashing, the prefix index, residency, dispatch policy.
 
 Shared by the plugin and the router; imports none of SGLang, torch, ZMQ or aiohttp
-(``tests/test_boundaries.py`` checks it).
+(``tests/docs/test_boundaries.py`` checks it).
 """

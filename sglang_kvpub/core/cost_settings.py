@@ -29,8 +29,10 @@ __all__ = [
     "compare",
     "cost_from_env",
     "cost_problem",
+    "cost_problems",
     "engine_cost",
     "env_name",
+    "number_problems",
 ]
 
 ENV_PREFIX = "SGLANG_KVPUB_"  # the plugin's environment variables: SGLANG_KVPUB_<KEY>
@@ -69,11 +71,41 @@ def _bad(key: str, value: Any, fix: str) -> ConfigError:
     return ConfigError(f"key {key!r} (env {env_name(key)}) = {value!r} is invalid: {fix}")
 
 
+def number_problems(name: str, value: Any, *, integer: bool = False) -> list[str]:
+    """Why ``value`` cannot be the number >= 0 that ``name`` needs (a whole one if ``integer``),
+    in the adapter's config's words; empty when it can."""
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, str):
+        return [f"{name} is the string {value!r}: write {kind} without quotes"]
+    if not _is_number(value):
+        return [f"{name} is {value!r}: it must be {kind} >= 0"]
+    if integer and not isinstance(value, int):
+        if float(value).is_integer():
+            return []
+        return [f"{name} is {value!r}: it must be {kind}, e.g. {int(value)}"]
+    if value < 0:
+        return [f"{name} is {value!r}: it must be >= 0"]
+    return []
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def cost_problems(values: Mapping[str, Any], prefix: str) -> list[str]:
+    """The problems of the cost keys in ``values`` (the adapter's ``kv_affinity``), each named
+    ``prefix + key``: the check the engine's keys get from :func:`cost_problem`."""
+    problems: list[str] = []
+    for key in COST_KEYS:
+        value = values.get(key)
+        if key in values and not (value is None and key in OPTIONAL_COST_KEYS):
+            problems += number_problems(prefix + key, value)
+    return problems
+
+
 def cost_problem(key: str, value: Any) -> Union[str, None]:
-    """The fix when ``value`` cannot be ``key``'s, else None."""
-    if value is None and key in OPTIONAL_COST_KEYS:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+    """The fix when ``value`` cannot be ``key``'s (the plugin's keys), else None."""
+    if (value is None and key in OPTIONAL_COST_KEYS) or (_is_number(value) and not number_problems(key, value)):
         return None
     what = "a number >= 0 or null (off)" if key in OPTIONAL_COST_KEYS else "a number >= 0"
     return f"use {what}, the same value as the Motor adapter's kv_affinity.{key}"

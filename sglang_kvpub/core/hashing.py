@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import struct
 import sys
 from array import array
@@ -29,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from sglang_kvpub.core.native_loader import load_extension
 from sglang_kvpub.wire import MsgpackIds
 
 __all__ = [
@@ -69,33 +69,6 @@ _NATIVE_NAMES = (
     "u32_count_msgpack",
 )
 log = logging.getLogger(__name__)
-
-
-def _bind_native() -> Any:
-    """The C helpers, bound to the xxhash package's XXH3 and checked against the Python
-    loops on a few prompts; None (and the Python loops) when not built, turned off with
-    ``KVPUB_NATIVE=0``, or disagreeing."""
-    if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
-        return None
-    try:
-        from xxhash import _xxhash  # type: ignore[attr-defined]
-
-        from sglang_kvpub.core import _native  # type: ignore[attr-defined]
-
-        _native.bind(_xxhash.__file__)
-        for name in _NATIVE_NAMES:
-            getattr(_native, name)
-    except (ImportError, AttributeError, OSError) as exc:
-        log.debug("native hashing helpers unavailable (%s): the Python loops hash", exc)
-        return None
-    for size, block in ((16, 4), (300, 128), (1100, 1024)):
-        ids = [(i * 2_654_435_761) & _U32 for i in range(size)]
-        raw = struct.pack(f"<{size}I", *ids)
-        blocks = size // block
-        if _native.chain_keys(raw, block, 7, BASE_SEED, 0, blocks) != _chained_py(raw, block, 7, BASE_SEED, 0, blocks):
-            log.warning("native hashing helpers disagree with the Python loops: not used")
-            return None
-    return _native
 
 
 def _chained_py(
@@ -293,4 +266,6 @@ def chained_block_keys(
     return _chained_py(u32, block_size, seed, parent_key, start, end)
 
 
-NATIVE: Any = _bind_native()
+NATIVE: Any = load_extension(
+    "sglang_kvpub.core._native", _NATIVE_NAMES, reference=_chained_py, seed=BASE_SEED, what="native hashing helpers"
+)

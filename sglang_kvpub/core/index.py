@@ -398,8 +398,8 @@ class PrefixIndex:
         some keys only leaves a mark: under ingest the index changes between most queries, and
         keeping a copy of every walk's keys would cost more than it saves.
 
-        A remembered walk is given without taking the lock (0.57 -> 0.29 us here, the lock
-        the most of it): writers clear the memo before they change anything, under the
+        A remembered walk is given without taking the lock (the lock would be most of its
+        cost): writers clear the memo before they change anything, under the
         lock, and reset the instance-mask cache after, so an entry read here predates any
         write in progress, and the cached mask read after it is either that state's or
         reset (then the locked path runs).  The answer is the index's as of the entry's

@@ -94,7 +94,7 @@ SLICE_BUDGET_S = 0.0005
 _PAGES_PER_CHECK = 16  # pages hashed between clock reads (~2-3 us each)
 _SCAN_PER_CHECK = 512  # announced entries examined between clock reads
 _SKIP_PER_CHECK = 1 << 14  # entries skipped (C speed) between clock reads (~0.05 ms)
-_EMIT_PER_CHECK = 32  # stale hashes emitted between clock reads (a 256 chunk took ~0.25 ms)
+_EMIT_PER_CHECK = 32  # stale hashes emitted between clock reads (a chunk of 256 takes ~0.25 ms)
 _MARGIN = 0.8  # stop at this fraction of the budget: one unit of work (<= ~0.05 ms) may follow
 # No slice asks glibc's malloc for memory on the common path (see "Allocation" in the module
 # docstring): the walk's DFS stack keeps this many bottom entries, so it never shrinks to, or

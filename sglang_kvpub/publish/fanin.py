@@ -3,8 +3,9 @@
 One per instance: in SGLang's DataParallelController process, or in the sidecar.
 
 Stream.  Each rank batch becomes exactly one instance batch (ranks never mixed, dp_rank
-set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` is random in
-``[1, 2**23)`` per start, ``n`` counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
+set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` in
+``[1, 2**23)`` is new per start and above the last start's (:func:`start_epoch`), ``n``
+counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
 an empty batch (``dp_rank`` None) goes out too; heartbeats take seqs and sit in the
 replay buffer like any batch, so seqs stay contiguous.  The first heartbeat is sent at
 ``start()``, so a snapshot always has a seq to refer to.
@@ -74,7 +75,6 @@ import contextlib
 import dataclasses
 import gc
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -83,11 +83,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
 from sglang_kvpub.publish.folded_view import FoldedStream
-from sglang_kvpub.publish.replay_server import Job, ReplayServer
+from sglang_kvpub.publish.replay_server import ReplayServer
+from sglang_kvpub.publish.stream_sockets import bind_replay_router, open_pub
 from sglang_kvpub.transport.channel import (
     PACKET_SCHEME,
     ChannelPuller,
@@ -95,7 +96,7 @@ from sglang_kvpub.transport.channel import (
     parse_channel_message,
     resolve_channel_endpoint,
 )
-from sglang_kvpub.transport.curve import apply_server, server_keys_from_files, start_authenticator
+from sglang_kvpub.transport.curve import server_keys_from_files, start_authenticator
 from sglang_kvpub.transport.packet_channel import PacketListener
 from sglang_kvpub.transport.zmq_io import MORE_NOBLOCK, NOBLOCK, recv_frame, send_frame
 from sglang_kvpub.wire import (
@@ -113,7 +114,7 @@ from sglang_kvpub.wire import (
     tag_payload,
 )
 
-__all__ = ["FanIn", "RankState", "default_channel_endpoint"]
+__all__ = ["FanIn", "RankState", "default_channel_endpoint", "start_epoch"]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class FanIn(ReplayServer):
     ) -> None:
         self.config = config
         self.dp_size = dp_size
-        self.epoch = secrets.randbelow(EPOCH_LIMIT - 1) + 1
+        self.epoch = start_epoch()
         self.channel_endpoint = channel_endpoint or resolve_channel_endpoint(config)
         self.listen_channel = listen_channel
         self.rank_timeout_s = rank_timeout_s if rank_timeout_s is not None else max(3.0 * config.heartbeat_s, 1.0)
@@ -175,7 +176,6 @@ class FanIn(ReplayServer):
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._ranks: dict[int, RankState] = {}
         self._residency: dict[int, RankResidency] = {}
-        self._jobs: list[Job] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pub: zmq.Socket[bytes] | None = None
@@ -196,6 +196,7 @@ class FanIn(ReplayServer):
         self._rank_order = config.rank_order
         folded = config.folded_endpoint is not None
         self._folded = FoldedStream(config, self.epoch, self._lock, self.snapshot_batch_blocks) if folded else None
+        self._replies = self._replay_jobs()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,24 +209,11 @@ class FanIn(ReplayServer):
         config = self.config
         curve = server_keys_from_files(config.curve_secret_key_file, config.curve_public_key_file)
         self._auth = start_authenticator(context, config.curve_authorized_keys) if curve else None
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, config.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        apply_server(pub, curve)
+        pub: zmq.Socket[bytes] | None = None
         try:
-            self.pub_connects = not should_bind(config.endpoint, config.bind)
-            if self.pub_connects:
-                pub.connect(config.endpoint)
-            else:
-                pub.bind(config.endpoint)
+            pub, self.pub_connects = open_pub(context, config.endpoint, bind=config.bind, hwm=config.hwm, curve=curve)
             if config.replay_endpoint:
-                router = context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 1000)
-                router.setsockopt(zmq.LINGER, 0)
-                apply_server(router, curve)
-                self._router = router
-                router.bind(config.replay_endpoint)
+                self._router = bind_replay_router(context, config.replay_endpoint, curve)
             if self._folded is not None:
                 self._folded.open(context, curve, self._current_residency)
             if self.listen_channel and self.channel_endpoint.startswith(PACKET_SCHEME):
@@ -590,12 +578,12 @@ class FanIn(ReplayServer):
         """One wait for input (or the next timer), then everything that is due."""
         now = time.monotonic()
         # Jobs blocked on a slow reader are retried every 10 ms, not spun on.
-        jobs = self._jobs
+        replies = self._replies
         folded = self._folded
-        folded_busy = folded is not None and folded.busy
+        folded_replies = folded.replies if folded is not None else None
         next_timer = min(self._next_beat, self._next_load) if self._load_source is not None else self._next_beat
-        if jobs or folded_busy:
-            runnable = (folded is not None and folded.runnable) or any(job.pending is None for job in jobs)
+        if replies.busy or (folded_replies is not None and folded_replies.busy):
+            runnable = replies.runnable or (folded_replies is not None and folded_replies.runnable)
             wait_s = 0.0 if runnable else min(max(0.0, next_timer - now), 0.01)
         else:
             wait_s = min(max(0.0, next_timer - now), 0.1)
@@ -608,15 +596,12 @@ class FanIn(ReplayServer):
             self._drain_channel(self._puller.socket)
         if self._packets is not None and ready:
             self._drain_packets(self._packets, poller, ready)
-        if self._router is not None and self._router in ready:
-            self._drain_requests(self._router)
-        if self._jobs:
-            self._advance_jobs()
-        if folded is not None and folded.router is not None:
-            if folded.router in ready:
-                folded.drain_requests()
-            if folded.busy:
-                folded.advance_jobs()
+        for router, jobs in ((self._router, replies), (folded.router if folded else None, folded_replies)):
+            if router is not None and jobs is not None:
+                if router in ready:
+                    jobs.drain(router)
+                if jobs.busy:
+                    jobs.advance(router)
         now = time.monotonic()
         if self._load_source is not None and now >= self._next_load:
             self._report_loads(now)
@@ -720,7 +705,7 @@ class FanIn(ReplayServer):
                 "seq": self._last_seq,
                 "batches": self._counter,
                 "buffered": len(self._buffer),
-                "jobs": len(self._jobs),
+                "jobs": len(self._replies),
                 "channel_connections": len(self._packets.connections) if self._packets is not None else None,
                 "channel_refused": self._packets.refused if self._packets is not None else None,
                 "never_seen": [r for r in range(self.dp_size) if r not in self._ranks],
@@ -730,6 +715,28 @@ class FanIn(ReplayServer):
                 "folded": self._folded.stats() if self._folded is not None else None,
                 **{key: self._counts[key] for key in _COUNTERS},
             }
+
+
+_last_epoch = [0]  # per process
+
+
+def start_epoch(now: float | None = None) -> int:
+    """The epoch of a fan-in start: the start's wall-clock second, modulo ``2**23 - 1``, plus
+    one - and above the last epoch drawn in this process.
+
+    Why the clock and not a random draw: a reader that checks the seq only for "last + 1"
+    (Dynamo's indexer) drops every batch whose seq is lower than the last one it applied,
+    so a restart drawing a lower epoch would be ignored by it for good; a higher one is a
+    gap it answers with a replay request, which a new epoch turns into a snapshot.  A
+    restart takes seconds (a process start, SGLang's model load), so the next start's
+    second is later.  The count wraps every 2**23 - 1 seconds (97 days): the first restart
+    after a wrap is lower, once."""
+    seconds = int(time.time() if now is None else now)
+    epoch = seconds % (EPOCH_LIMIT - 1) + 1
+    if epoch <= _last_epoch[0] < epoch + (EPOCH_LIMIT >> 1):
+        epoch = _last_epoch[0] % (EPOCH_LIMIT - 1) + 1  # two starts in one second, one process
+    _last_epoch[0] = epoch
+    return epoch
 
 
 _frozen = [False]  # per process

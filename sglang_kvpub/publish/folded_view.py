@@ -17,14 +17,14 @@ epoch (Motor asks from 0), or a snapshot request: the fold of every rank's resid
 then the buffered tail after ``S``.
 
 Everything runs on the fan-in's thread under the fan-in's lock (the caller's), except the
-reply streaming, which reads the buffer under that lock.
+reply streaming (:attr:`FoldedStream.replies`, the job machinery of
+:mod:`~sglang_kvpub.publish.replay_jobs` the instance stream's replay uses too, driven by the
+fan-in's loop), which reads the buffer under that lock.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import itertools
 import logging
 import threading
 import time
@@ -33,11 +33,12 @@ from typing import Any
 
 import zmq
 
-from sglang_kvpub.config import PluginConfig, should_bind
+from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.instance_fold import InstanceFold
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency
-from sglang_kvpub.transport.curve import apply_server
+from sglang_kvpub.publish.replay_jobs import ReplayJobs
+from sglang_kvpub.publish.stream_sockets import bind_replay_router, open_pub
 from sglang_kvpub.transport.zmq_io import MORE_NOBLOCK, NOBLOCK, send_frame
 from sglang_kvpub.wire import (
     END_SEQ_BYTES,
@@ -45,10 +46,8 @@ from sglang_kvpub.wire import (
     BatchEncoder,
     Event,
     EventBatch,
-    WireError,
     encode_seq,
     make_seq,
-    parse_replay_request,
     seq_epoch,
 )
 
@@ -57,20 +56,16 @@ __all__ = ["FoldedStream", "FOLDED_DP_RANK"]
 log = logging.getLogger(__name__)
 
 FOLDED_DP_RANK = 0  # the rank a once-per-endpoint router registers (and reads) for the instance
-_MAX_JOBS = 64
-_SLICE_MESSAGES = 32
-_JOB_STALL_S = 30.0
-
 Residencies = Callable[[], dict[int, RankResidency]]
 
 
-class _Job:
-    def __init__(self, identity: bytes, items: Iterator[tuple[int, bytes]]) -> None:
-        self.identity = identity
-        self.items = items
-        self.pending: tuple[list[bytes], bool] | None = None
-        self.stalled_since: float | None = None
-        self.done = False
+def _reply_frames(identity: bytes, seq: int, payload: bytes) -> list[bytes]:
+    """The three-frame reply of vLLM and Motor 3.1 (no topic frame)."""
+    return [identity, b"", encode_seq(seq), payload]
+
+
+def _end_frames(identity: bytes) -> list[bytes]:
+    return [identity, b"", END_SEQ_BYTES, b""]
 
 
 class FoldedStream:
@@ -92,10 +87,10 @@ class FoldedStream:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=config.buffer_steps)
         self._pub: zmq.Socket[bytes] | None = None
         self.router: zmq.Socket[bytes] | None = None
-        self._jobs: list[_Job] = []
         self._residencies: Residencies = dict
         self._rlog = RateLimitedLog(log, interval_s=None)
         self.counts = collections.Counter[str]()
+        self.replies = ReplayJobs("folded view", self._reply_items, _reply_frames, _end_frames, self.counts, self._rlog)
 
     # ------------------------------------------------------------------ sockets
 
@@ -104,26 +99,12 @@ class FoldedStream:
         rank's residency, current, for a snapshot (called under the lock)."""
         self._residencies = residencies
         config = self._config
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, config.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        apply_server(pub, curve)
+        pub, _ = open_pub(context, self.endpoint, bind=config.bind, hwm=config.hwm, curve=curve)
         try:
-            if should_bind(self.endpoint, config.bind):
-                pub.bind(self.endpoint)
-            else:
-                pub.connect(self.endpoint)
             if self.replay_endpoint:
-                router = context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                router.setsockopt(zmq.SNDHWM, 1000)
-                router.setsockopt(zmq.LINGER, 0)
-                apply_server(router, curve)
-                self.router = router
-                router.bind(self.replay_endpoint)
+                self.router = bind_replay_router(context, self.replay_endpoint, curve)
         except zmq.ZMQError:
             pub.close(linger=0)
-            self.close()
             raise
         self._pub = pub
         log.info("kvpub folded view: PUB %s, replay %s, %s events", self.endpoint, self.replay_endpoint, self.encoding)
@@ -169,37 +150,7 @@ class FoldedStream:
         except zmq.Again:
             self.counts["pub_dropped"] += 1
 
-    # ------------------------------------------------------------------ replay (fan-in thread)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._jobs)
-
-    @property
-    def runnable(self) -> bool:
-        """A reply can go on now (not every job waits on a slow reader)."""
-        return any(job.pending is None for job in self._jobs)
-
-    def drain_requests(self) -> None:
-        router = self.router
-        assert router is not None
-        for _ in range(16):
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                identity, start_seq, snapshot = parse_replay_request(frames)
-            except WireError as exc:
-                self.counts["bad_requests"] += 1
-                self._rlog.warning("malformed", "kvpub folded view: bad replay request: %s", exc)
-                continue
-            if len(self._jobs) >= _MAX_JOBS:
-                self.counts["replays_rejected"] += 1
-                with contextlib.suppress(zmq.ZMQError):
-                    router.send_multipart([identity, b"", END_SEQ_BYTES, b""], flags=zmq.NOBLOCK)
-                continue
-            self._jobs.append(_Job(identity, self._reply_items(start_seq, snapshot)))
+    # ------------------------------------------------------------------ replay items (fan-in thread)
 
     def _reply_items(self, start_seq: int, snapshot: bool) -> Iterator[tuple[int, bytes]]:
         with self._lock:
@@ -248,41 +199,6 @@ class FoldedStream:
                 item = self._buffer[index]
             yield item
             seq += 1
-
-    def advance_jobs(self) -> None:
-        router = self.router
-        assert router is not None
-        for job in self._jobs:
-            for message, is_end in itertools.islice(self._messages(job), _SLICE_MESSAGES):
-                try:
-                    router.send_multipart(message, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    job.pending = (message, is_end)
-                    now = time.monotonic()
-                    if job.stalled_since is None:
-                        job.stalled_since = now
-                    elif now - job.stalled_since > _JOB_STALL_S:
-                        job.done = True
-                        self.counts["replays_abandoned"] += 1
-                    break
-                except zmq.ZMQError:
-                    job.done = True
-                    break
-                job.stalled_since = None
-                if is_end:
-                    job.done = True
-                    break
-        self._jobs = [job for job in self._jobs if not job.done]
-
-    def _messages(self, job: _Job) -> Iterator[tuple[list[bytes], bool]]:
-        if job.pending is not None:
-            pending, job.pending = job.pending, None
-            yield pending
-            if pending[1]:
-                return
-        for seq, payload in job.items:
-            yield [job.identity, b"", encode_seq(seq), payload], False
-        yield [job.identity, b"", END_SEQ_BYTES, b""], True
 
     def stats(self) -> dict[str, Any]:
         return {

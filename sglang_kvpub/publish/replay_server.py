@@ -4,58 +4,39 @@ A DEALER sends ``[b"", seq]`` (or ``[b"", seq, b"snapshot"]``); the reply is eve
 batch from ``seq`` on, or - for a start older than the buffer, from another epoch, or on
 request - a snapshot (each rank's residency as stores, all with one seq) and then the
 buffered tail; an end marker closes it.  Replies are streamed a slice per loop turn so a
-slow client never stalls the live stream.  See docs/wire.md.
+slow client never stalls the live stream (:class:`~sglang_kvpub.publish.replay_jobs.ReplayJobs`,
+shared with the folded view's replay).  See docs/wire.md.
 
 :class:`ReplayServer` is the half of :class:`~sglang_kvpub.publish.fanin.FanIn` that
-answers these requests; it reads the fan-in's buffer, residency and seq under its lock.
+answers these requests: the items of each reply, read from the fan-in's buffer, residency
+and seq under its lock, in the four-frame reply shape of SGLang 0.5.23.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-import zmq
-
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency
+from sglang_kvpub.publish.replay_jobs import ReplayJobs
 from sglang_kvpub.wire import (
     AllBlocksCleared,
     BatchEncoder,
     Event,
     EventBatch,
     RankOrder,
-    WireError,
-    parse_replay_request,
     replay_end_frames,
     replay_reply_frames,
     seq_epoch,
     tag_payload,
 )
 
-__all__ = ["Job", "ReplayServer"]
+__all__ = ["ReplayServer"]
 
-log = logging.getLogger(__name__)
-
-_MAX_JOBS = 64
-_JOB_STALL_S = 30.0  # a replay client that reads nothing for this long is dropped
-_SLICE_MESSAGES = 32
-
-
-class Job:
-    """One replay/snapshot reply being streamed; ``pending`` is a message the ROUTER refused."""
-
-    def __init__(self, identity: bytes, items: Iterator[tuple[int, bytes]]) -> None:
-        self.identity = identity
-        self.items = items
-        self.pending: tuple[list[bytes], bool] | None = None
-        self.done = False
-        self.stalled_since: float | None = None  # when the client stopped reading
+_TURN_BUDGET_S = 0.001  # replies share the fan-in's thread with the live batches
 
 
 class ReplayServer:
@@ -71,32 +52,28 @@ class ReplayServer:
     _residency: dict[int, RankResidency]
     _orders: dict[int, list[int]]  # dp_rank -> [rank epoch, next seq on the stream]
     _rank_order: bool
-    _jobs: list[Job]
-    _router: zmq.Socket[bytes] | None
     _topic: bytes
     _encoder: BatchEncoder
     _counts: collections.Counter[str]
     _rlog: RateLimitedLog
     _apply_pending: Callable[[], None]
 
-    def _drain_requests(self, router: zmq.Socket[bytes]) -> None:
-        for _ in range(16):
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                identity, start_seq, snapshot = parse_replay_request(frames)
-            except WireError as exc:
-                self._counts["bad_requests"] += 1
-                self._rlog.warning("malformed", "kvpub fan-in: bad replay request: %s", exc)
-                continue
-            if len(self._jobs) >= _MAX_JOBS:
-                self._counts["replays_rejected"] += 1
-                with contextlib.suppress(zmq.ZMQError):  # best effort: an empty reply, never queued
-                    router.send_multipart(replay_end_frames(identity), flags=zmq.NOBLOCK)
-                continue
-            self._jobs.append(Job(identity, self._reply_items(start_seq, snapshot)))
+    def _replay_jobs(self) -> ReplayJobs:
+        """The jobs of this server's ROUTER: replies of :meth:`_reply_items`, four frames each."""
+        topic = self._topic
+
+        def reply(identity: bytes, seq: int, payload: bytes) -> list[bytes]:
+            return replay_reply_frames(identity, topic, seq, payload)
+
+        return ReplayJobs(
+            "fan-in",
+            self._reply_items,
+            reply,
+            replay_end_frames,
+            self._counts,
+            self._rlog,
+            turn_budget_s=_TURN_BUDGET_S,
+        )
 
     def _reply_items(self, start_seq: int, snapshot: bool) -> Iterator[tuple[int, bytes]]:
         with self._lock:
@@ -154,41 +131,3 @@ class ReplayServer:
         with self._lock:
             end_seq = self._last_seq
         yield from self._buffered_items(snapshot_seq + 1, end_seq)
-
-    def _advance_jobs(self) -> None:
-        router = self._router
-        assert router is not None
-        deadline = time.monotonic() + 0.001
-        for job in self._jobs:
-            for message, is_end in itertools.islice(self._job_messages(job), _SLICE_MESSAGES):
-                try:
-                    router.send_multipart(message, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    job.pending = (message, is_end)  # the client reads slowly: retry on a later turn
-                    now = time.monotonic()
-                    if job.stalled_since is None:
-                        job.stalled_since = now
-                    elif now - job.stalled_since > _JOB_STALL_S:  # it stopped reading: free the slot
-                        job.done = True
-                        self._counts["replays_abandoned"] += 1
-                    break
-                except zmq.ZMQError:  # EHOSTUNREACH: the client went away
-                    job.done = True
-                    break
-                job.stalled_since = None
-                if is_end:
-                    job.done = True
-                    break
-                if time.monotonic() > deadline:
-                    break
-        self._jobs = [job for job in self._jobs if not job.done]
-
-    def _job_messages(self, job: Job) -> Iterator[tuple[list[bytes], bool]]:
-        if job.pending is not None:
-            pending, job.pending = job.pending, None
-            yield pending
-            if pending[1]:
-                return
-        for seq, payload in job.items:
-            yield replay_reply_frames(job.identity, self._topic, seq, payload), False
-        yield replay_end_frames(job.identity), True

@@ -133,7 +133,8 @@ def replay(context: zmq.Context, endpoint: str, start_seq: int, snapshot: bool) 
 
 def _summary(tracker: SeqTracker, ranks: wire.RankOrderCheck, err: TextIO) -> int:
     """The ``--check`` line: 0 when no batch was missed, else 1."""
-    report = {"instance_gaps": tracker.gaps, "restarts": tracker.restarts, **ranks.as_dict()}
+    # the instance's restarts beside the ranks' ("restarts": per rank, from the rank check)
+    report = {"instance_gaps": tracker.gaps, "instance_restarts": tracker.restarts, **ranks.as_dict()}
     print("check: " + json.dumps(report, sort_keys=True), file=err)
     return 1 if tracker.gaps or ranks.gaps else 0
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal, Union
+from typing import Generic, Literal, TypeVar, Union
 
 import msgspec
 
@@ -31,6 +31,7 @@ __all__ = [
     "MEDIUM_EXTERNAL",
     "KNOWN_MEDIA",
     "U64_MASK",
+    "StoredFields",
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
@@ -75,6 +76,8 @@ U64_MASK = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 _I64_MAX = (1 << 63) - 1
 
+_Tokens = TypeVar("_Tokens")
+
 HashForm = Literal["u64", "i64"]
 EventEncoding = Literal["map", "array"]
 
@@ -94,18 +97,26 @@ class WireError(ValueError):
 # ``lora_id`` must always be on the wire because SGLang 0.5.23's own decoder requires them.
 
 
-class BlockStored(msgspec.Struct, tag=True, gc=False):
-    """Consecutive blocks (pages) stored in one medium; ``token_ids`` covers all of them."""
+class StoredFields(msgspec.Struct, Generic[_Tokens], gc=False):
+    """A store's fields, declared once, in wire order.  :class:`BlockStored` reads
+    ``token_ids`` as ints; the codec's ``RawStored`` leaves them as the msgpack bytes they
+    arrived as.  Each variant gives ``token_ids`` its own type and default, in this place."""
 
     block_hashes: list[int]
     parent_block_hash: Union[int, None] = None
-    token_ids: Sequence[int] = []
+    token_ids: _Tokens = None  # type: ignore[assignment]  # each variant sets its own default
     block_size: int = 0
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
     lora_name: Union[str, None] = None
     cache_salt: Union[str, None] = None
     session_id: Union[str, None] = None
+
+
+class BlockStored(StoredFields[Sequence[int]], tag=True, gc=False):
+    """Consecutive blocks (pages) stored in one medium; ``token_ids`` covers all of them."""
+
+    token_ids: Sequence[int] = []
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

@@ -1,5 +1,5 @@
 """The router's C helpers (motor_adapter._answer: the /query body's ids split off, decoded and
-hashed in one call, QueryKeysMemo's prefix reuse, the prompt cache's body key) against the
+hashed in one call, QueryKeysMemo's prefix reuse, the body key) against the
 Python path: the same keys, ids and refusals, with and without the memo, with both id
 decoders.  CI builds them and sets ``KVPUB_REQUIRE_NATIVE=1``.
 """
@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import weakref
 from array import array
 from typing import Any
@@ -488,7 +486,7 @@ def test_wide_id_decode_equals_the_two_chains(seed: int) -> None:
 @needs_native
 @pytest.mark.parametrize("length", [0, 1, 3, 16, 17, 128, 129, 240, 241, 1024, 30_000, 200_003])
 def test_body_key_is_xxh3_128_shifted_with_the_flag(length: int) -> None:
-    """The /query prompt cache's key in C: exactly ``(xxh3_128_intdigest(body) << 1) | flag``,
+    """The body key in C: exactly ``(xxh3_128_intdigest(body) << 1) | flag``,
     whichever XXH3 input-size path the length takes, from bytes and other buffers alike."""
     from xxhash import xxh3_128_intdigest
 
@@ -519,21 +517,3 @@ def test_body_key_refuses_what_is_no_buffer() -> None:
         NATIVE.body_key(b"x")
     with pytest.raises(TypeError):
         NATIVE.body_key(b"x", True, 3)
-
-
-def test_query_prompt_cache_key_is_the_same_with_or_without_the_helpers() -> None:
-    """``_PromptCache.key`` gives the reference value in this process (C when built) and in
-    one without the helpers (``KVPUB_NATIVE=0``): the same body, the same key."""
-    from motor_adapter import service
-
-    body = msgpack.packb({"model": "m", "token_ids": list(range(3000))})
-    want = service._body_key_py(body, True)
-    assert service._PromptCache.key(body, True) == want
-    assert service._body_key is (NATIVE.body_key if NATIVE is not None else service._body_key_py)
-    code = (
-        "import sys; from motor_adapter import service; from sglang_kvpub.core import hashing; "
-        "assert hashing.NATIVE is None; print(service._PromptCache.key(sys.stdin.buffer.read(), True))"
-    )
-    env = {**os.environ, "KVPUB_NATIVE": "0"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, input=body, capture_output=True, check=True)
-    assert int(out.stdout) == want

@@ -9,8 +9,10 @@ import time
 import pytest
 from conftest import offline_adapter
 
-from motor_adapter import state as state_module
+from motor_adapter import rank_render
 from motor_adapter.affinity import KvAffinity
+from motor_adapter.answer import rank_answer
+from motor_adapter.query_cache import QueryCache, WalkEntry
 from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
@@ -51,11 +53,16 @@ def _ask(state: AdapterState, prompt: list[int]) -> dict:
     keys = sequence_keys(prompt, BS)
     spread = spread_key(prompt, BS)
     view = state._view("m", "default", BS)
-    loads = state_module._loads_tokens(view)
-    assert view.affinity is not None and loads is not None
-    fresh = state._rank_answer(
-        view, "default", BS, view.affinity.hits_for_keys(keys), loads, len(prompt), spread, False
-    ).answer.body
+    affinity = view.affinity
+    assert affinity is not None
+    now = time.monotonic()
+    tokens, _ = affinity.loads.tokens(view.rank_streams, now)
+    loads = [token is not None for token in tokens]
+    assert any(loads)
+    fresh = rank_answer(
+        view.tenant, view.plans, view.rank_plans, affinity.hits_for_keys(keys), affinity.loads, loads, now,
+        len(prompt), spread, view.cfg, view.shape, state.metrics,
+    ).answer.body  # fmt: skip
     got = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread).body
     assert got == fresh
     return got["default"]
@@ -71,8 +78,11 @@ def test_a_changed_load_changes_a_remembered_answer() -> None:
     first = _ask(state, prompt)
     assert first["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] == 3
     assert _ask(state, prompt) is not None  # remembered now
-    view = state._view("m", "default", BS)
-    assert view.by_rank or view.rank_tables, "the answer was not remembered (the reference, or the C renderer's table)"
+    if rank_render.NATIVE is not None:
+        view = state._view("m", "default", BS)
+        assert view.affinity is not None
+        walk = view.affinity.best_for_keys(sequence_keys(prompt, BS))
+        assert walk is not None and view.cache.entry(walk).table is not None, "the C renderer's table was not kept"
     affinity.loads.apply(URLS[0], _report([0.0, 0.0, 0.0, 5000.0]))  # the holding rank gets busy
     busy = _ask(state, prompt)
     assert busy["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] != 3
@@ -199,7 +209,7 @@ def test_remembered_answers_count_the_metrics_and_commit_as_fresh_ones(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     remembered = _replay(seed)
-    monkeypatch.setattr(state_module, "_remember", lambda memo, key, value: None)  # nothing kept: all fresh
+    monkeypatch.setattr(QueryCache, "entry", lambda self, walk: WalkEntry(walk))  # nothing kept: all fresh
     fresh = _replay(seed)
     assert remembered[0] == fresh[0]  # commits included: a wrong one would move a later answer
     assert remembered[1] == fresh[1]

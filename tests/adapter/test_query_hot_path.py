@@ -1,4 +1,4 @@
-"""The ``/query`` hot path: the index's one-pass fold, the hashed-prompt cache, msgpack answers.
+"""The ``/query`` hot path: the index's one-pass fold, msgpack bodies and answers.
 
 ``PrefixIndex.deepest_npu`` must pick, per instance, exactly the rank and hit that folding
 ``query_keys`` with ``scoring.best_rank`` picks (while only NPU holds blocks). The service
@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 
 from motor_adapter import native as router_native
 from motor_adapter.scoring import KvAffinityConfig, best_rank
-from motor_adapter.service import _QUERY_FIELDS_BYTES, _QUERY_FIELDS_MAX, _Prompt, _PromptCache
 from sglang_kvpub import wire
 from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.index import PrefixIndex, TierHit
@@ -602,75 +601,6 @@ def test_a_remembered_walk_refreshes_recency_as_a_walk_does() -> None:
     assert index.deepest_npu(once_keys, asked) == {"a": (1, TierHit(2, 0, 0))}
 
 
-@pytest.mark.unit
-def test_prompt_cache_evicts_the_least_recently_used_with_repeated_hits() -> None:
-    """A hit on the most recent entry leaves the order as it is; any other hit makes it the
-    most recent: the entry out next is always the least recently put or hit."""
-    cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
-    bodies = {name: name.encode() * 50 for name in "ABCDE"}
-
-    def put(name: str) -> None:
-        for _ in range(2):  # kept from the second sight on
-            cache.put(cache.key(bodies[name], True), bodies[name], _Prompt(MODEL, "default", BS, [ord(name)], 1))
-
-    def held(name: str) -> bool:
-        return cache.get(cache.key(bodies[name], True), bodies[name]) is not None
-
-    for name in "ABC":
-        put(name)
-    assert held("A") and held("A")  # B C A
-    put("D")  # B out: C A D
-    assert not held("B")
-    assert held("A")  # C D A
-    put("E")  # C out: D A E
-    assert not held("C")
-    assert held("D") and held("A") and held("E")
-
-
-@pytest.mark.unit
-def test_prompt_cache_confirms_the_body_and_stays_bounded() -> None:
-    cache = _PromptCache(max_entries=3, max_bytes=1 << 20)
-    bodies = [bytes([i]) * 100 for i in range(5)]
-    for i, body in enumerate(bodies):
-        for _ in range(2):  # kept from the second sight on
-            cache.put(cache.key(body, True), body, _Prompt(MODEL, "default", BS, [i], 1))
-    assert cache.get(cache.key(bodies[0], True), bodies[0]) is None  # evicted, oldest first
-    hit = cache.get(cache.key(bodies[4], True), bodies[4])
-    assert hit is not None and hit.keys == [4]
-    assert cache.get(cache.key(bodies[4], False), bodies[4]) is None  # JSON and msgpack never mix
-    assert cache.get(cache.key(bodies[4], True), bodies[3]) is None  # a digest whose body differs: a miss
-    big = b"x" * (1 << 18)  # over an eighth of max_bytes: not kept
-    for _ in range(2):
-        cache.put(cache.key(big, True), big, _Prompt(MODEL, "default", BS, [9], 1))
-    assert cache.get(cache.key(big, True), big) is None
-    assert cache.get(cache.key(bodies[3], True), bodies[3]) is not None
-
-
-@pytest.mark.unit
-def test_prompt_cache_keeps_a_body_from_its_second_sight_within_a_bounded_doorkeeper() -> None:
-    cache = _PromptCache(max_entries=8, max_bytes=1 << 20, max_seen=2)
-    bodies = [bytes([i]) * 100 for i in range(64)]
-    keys = [cache.key(body, True) for body in bodies]
-    cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
-    assert cache.get(keys[0], bodies[0]) is None  # seen once: only a mark of its digest is left
-    cache.put(keys[0], bodies[0], _Prompt(MODEL, "default", BS, [0], 1))
-    assert cache.get(keys[0], bodies[0]) is not None  # seen twice: kept
-    # Two first sights on one slot of the two: the second overwrites the first's mark.
-    first = next(i for i in range(1, 64) if (keys[i] >> 1) & 1 == 0)
-    other = next(
-        i
-        for i in range(first + 1, 64)
-        if (keys[i] >> 1) & 1 == 0 and (keys[i] >> 64) & 0xFE != (keys[first] >> 64) & 0xFE
-    )
-    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
-    cache.put(keys[other], bodies[other], _Prompt(MODEL, "default", BS, [2], 1))
-    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
-    assert cache.get(keys[first], bodies[first]) is None  # a first sight again
-    cache.put(keys[first], bodies[first], _Prompt(MODEL, "default", BS, [1], 1))
-    assert cache.get(keys[first], bodies[first]) is not None
-    assert len(cache._seen) == 2  # bounded: a fixed table, whatever comes
-
-
 def _post(url: str, data: bytes, headers: dict[str, str]) -> tuple[str, bytes]:
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     with urllib.request.urlopen(request, timeout=3.0) as response:
@@ -839,15 +769,9 @@ def test_msgpack_bodies_answer_alike_with_and_without_the_c_helpers(
 
 
 @pytest.mark.integration
-def test_the_fields_beside_the_ids_are_kept_decoded_within_bounds(zctx: Any, make_server: Any) -> None:
-    """The handler keeps a msgpack body's fields apart from the ids (model, tenant, block
-    size) decoded by their bytes: bodies with new ids reuse them, at most
-    ``_QUERY_FIELDS_MAX`` kinds are kept, none longer than ``_QUERY_FIELDS_BYTES``, and each
-    answer is the one of the fields its body states."""
-    from sglang_kvpub.core import hashing
-
-    if hashing.NATIVE is None:
-        pytest.skip("the C helpers are not built: the fields are decoded with the whole body")
+def test_each_msgpack_body_is_answered_for_the_fields_it_states(zctx: Any, make_server: Any) -> None:
+    """Bodies that differ only in the fields beside the ids (the tenant, a long prompt text)
+    are each answered for the fields they state, whatever bodies came before."""
     tokens = prompt(15, 5)
     server = make_server()
     pub = Publisher(zctx, free_tcp_endpoint())
@@ -855,27 +779,19 @@ def test_the_fields_beside_the_ids_are_kept_decoded_within_bounds(zctx: Any, mak
     connect(server, pub)
     pub.store(tokens[: 3 * BS], rank=2)
     url = str(server.url) + "/query"
-    kept = next(
-        route.handler.__self__._query_fields
-        for route in server.runner.app.router.routes()
-        if route.method == "POST" and route.resource is not None and route.resource.canonical == "/query"
-    )
     headers = {"Content-Type": "application/msgpack"}
     base = [("model", MODEL), ("block_size", BS)]
     ours = _raw_map(*base, ("tenant_id", "default"), ("token_ids", tokens))
     wait_for(functools.partial(_matched_all, url, ours, 3 * BS), "the store is indexed")
-    for turn in range(2 * _QUERY_FIELDS_MAX):  # as many tenants, each body new ids: every rest decoded once
+    for turn in range(16):  # as many tenants, each body new ids
         body = _raw_map(*base, ("tenant_id", f"t{turn}"), ("token_ids", [turn, *tokens]))
         status, answer = http(url, raw=body, headers=headers)
-        assert (status, answer["error"]) == (404, "NoIndexer")  # the tenant it states, not one kept before
-        assert len(kept) <= _QUERY_FIELDS_MAX
-    long_rest = _raw_map(*base, ("tenant_id", "default"), ("prompt", "y" * _QUERY_FIELDS_BYTES), ("token_ids", tokens))
+        assert (status, answer["error"]) == (404, "NoIndexer")  # the tenant it states, not one seen before
+    long_rest = _raw_map(*base, ("tenant_id", "default"), ("prompt", "y" * 1024), ("token_ids", tokens))
     status, answer = http(url, raw=long_rest, headers=headers)
     assert status == 200 and answer["default"]["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"] == 3 * BS
-    assert kept and all(len(rest) <= _QUERY_FIELDS_BYTES for rest in kept)
     again = _raw_map(*base, ("tenant_id", "default"), ("token_ids", [*tokens, 9]))  # new ids, the fields of `ours`
     assert http(url, raw=again, headers=headers)[0] == 200
-    assert (MODEL, "default", BS) in kept.values()
 
 
 @pytest.mark.integration

@@ -1,5 +1,5 @@
 """The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``) against its
-reference, ``AdapterState._rank_answer`` in Python: the same JSON bytes, the same commits,
+reference, ``answer.rank_answer`` in Python: the same JSON bytes, the same commits,
 the same metrics, through random indexes, loads, weights and prompts."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from conftest import offline_adapter
 
+from motor_adapter import query as query_module
 from motor_adapter import rank_render
 from motor_adapter import state as state_module
 from motor_adapter.affinity import KvAffinity
@@ -136,7 +137,9 @@ def test_the_c_renderer_renders_the_rank_aware_answers() -> None:
     detail = answer.body["default"]["b"]["dp_detail"]["0"]
     assert (detail["scored_rank"], detail["engine_dp_rank"], detail["rank_load"]) == (1, 1, 30.0)
     view = state._view("m", "default", BS)
-    assert view.rank_tables and not view.by_rank
+    assert view.affinity is not None
+    walk = view.affinity.best_for_keys(keys)
+    assert walk is not None and view.cache.entry(walk).table is not None
 
 
 @needs_native
@@ -148,13 +151,13 @@ def test_a_float_it_cannot_render_exactly_falls_back_to_the_reference(monkeypatc
     prompt = list(range(1, 1 + 2 * BS))
     keys = sequence_keys(prompt, BS)
     called = []
-    reference = state_module.AdapterState._rank_answer
+    reference = query_module.rank_answer
 
-    def spy(self: AdapterState, *args: Any) -> Any:
+    def spy(*args: Any) -> Any:
         called.append(1)
-        return reference(self, *args)
+        return reference(*args)
 
-    monkeypatch.setattr(state_module.AdapterState, "_rank_answer", spy)
+    monkeypatch.setattr(query_module, "rank_answer", spy)
     answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), 3)
     assert called and answer.body["default"]["a"]["dp_detail"]["0"]["scored_rank"] == 0
 
@@ -220,8 +223,12 @@ def test_the_renderer_reads_live_loads_through_their_attributes_only() -> None:
     state, affinity, prompt = _b_holds_the_prompt_on_its_busy_rank()
     keys = sequence_keys([*prompt, *range(900, 900 + BS)], BS)
     state.answer_keys("m", "default", BS, keys, len(keys), 0.0, 5 * BS, 5)
-    view = state._views[("m", "default", BS)]
-    table = next(iter(view.rank_tables.values()))
+    view = state._view("m", "default", BS)
+    assert view.affinity is not None
+    walk = view.affinity.best_for_keys(keys)
+    assert walk is not None
+    table = view.cache.entry(walk).table
+    assert table is not None
     static = view.rank_static
     live = affinity.loads.live()[_url(1)]
 

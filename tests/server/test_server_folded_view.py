@@ -13,11 +13,34 @@ fill again.  After each phase, for every prompt:
 
 The adapter registered for the instance counts the removals by rank and reason
 (``motor_kv_adapter_removed_blocks_total``); ``/server_info`` lists both views.
+
+Then the whole instance restarts (the server is stopped and started again on the same ports:
+a new process, a new fan-in epoch, every rank's cache empty) and one rank stores again:
+
+- Dynamo's indexer (registered with the view's replay endpoint, as a once-per-endpoint
+  router registers an instance) drops every hash of the instance before the restart and
+  sees the new stores - it reads the new epoch's higher seq as a gap and replays, and the
+  view answers with a snapshot that clears first;
+- the positional reader re-registered after the restart (Motor re-registers an instance
+  that comes back; it does not check seqs) agrees on the new epoch's batches and on the
+  view's three-frame replay from 0;
+- ``sglang-kvpub tail --check`` on the instance stream across the restart reports the
+  restart and no gap, instance-level or per rank; the same check over the recorded stream
+  with one rank batch taken out reports that rank's gap.
+
+A clear of ONE rank is not reachable on the real server: SGLang 0.5.23's ``/flush_cache``
+(``FlushCacheReqInput``: a timeout, no rank) goes to every rank, and no other endpoint
+clears one rank's cache.  tests/test_folded_view.py covers a one-rank clear and a one-rank
+restart with real rank publishers and a real fan-in.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -30,6 +53,7 @@ import zmq
 from motor_positional import OneWorker, replay_three_frames
 
 from sglang_kvpub import wire
+from sglang_kvpub.tools.tail import SeqTracker
 
 from .conftest import PluginRig, free_port_block, plugin_rig, sglang_server
 
@@ -97,6 +121,7 @@ def rig(
         "folded_endpoint": folded,
         "folded_replay_endpoint": f"tcp://127.0.0.1:{port + 1}",
         "folded_event_encoding": "array",
+        "rank_order": True,  # each rank's order on the instance stream, checked across the restart
     }
     with plugin_rig(
         model_dir,
@@ -134,9 +159,14 @@ def _apply(worker: OneWorker, event: Any) -> None:
 
 
 def truth(messages: list[tuple[int, bytes]]) -> dict[str, int]:
+    """The longest hit over the instance's ranks; a new instance epoch starts every rank empty."""
     ranks = {rank: OneWorker(PAGE) for rank in range(DP)}
     decoder = wire.BatchDecoder()
-    for _, payload in messages:
+    epoch = None
+    for seq, payload in messages:
+        if wire.seq_epoch(seq) != epoch:
+            epoch = wire.seq_epoch(seq)
+            ranks = {rank: OneWorker(PAGE) for rank in range(DP)}
         batch = decoder.decode(payload)
         if batch.dp_rank is not None:
             for event in batch.events:
@@ -183,10 +213,12 @@ def test_folded_view_of_a_real_dp2_server(rig: tuple[PluginRig, RawRecorder, Raw
         from conftest import free_tcp_port
         from interop_procs import DynamoIndexer
 
-        indexer = DynamoIndexer(free_tcp_port(), PAGE, tmp_path / "indexer.log", f"{WORKER}={folded}")
+        indexer = DynamoIndexer(free_tcp_port(), PAGE, tmp_path / "indexer.log")
         indexer.wait_healthy()
+        indexer.register(WORKER, folded, views["folded"]["replay_endpoint"])
     try:
         _run_phases(made, main, view, indexer)
+        _restart_the_instance(made, main, view, indexer)
     finally:
         if indexer is not None:
             indexer.close()
@@ -291,3 +323,103 @@ def _removed_metric(made: PluginRig) -> dict[tuple[str, str], float]:
             key = (labels["engine_dp_rank"].strip('"'), labels["reason"].strip('"'))
             out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _epoch_of(messages: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The messages of the newest instance epoch."""
+    newest = wire.seq_epoch(messages[-1][0])
+    return [m for m in messages if wire.seq_epoch(m[0]) == newest]
+
+
+def check_like_tail(messages: list[tuple[int, bytes]]) -> dict[str, Any]:
+    """What ``tail --check`` reports for these live messages (its trackers, in its order)."""
+    tracker = SeqTracker(sys.stderr)
+    ranks = wire.RankOrderCheck()
+    for seq, payload in messages:
+        restarts = tracker.restarts
+        tracker.observe(seq)
+        if tracker.restarts != restarts:
+            ranks.reset()
+        ranks.observe(*wire.read_rank_order(payload))
+    return {"instance_gaps": tracker.gaps, "instance_restarts": tracker.restarts, **ranks.as_dict()}
+
+
+def _restart_the_instance(made: PluginRig, main: RawRecorder, view: RawRecorder, indexer: Any) -> None:
+    before = truth(main.messages())
+    assert before["a"] > 0, before  # rank 0 holds A: the restart must take it away
+    out_path, err_path = made.log_dir / "tail.out", made.log_dir / "tail.err"
+    with out_path.open("wb") as out, err_path.open("wb") as err:
+        tail = subprocess.Popen(
+            [sys.executable, "-m", "sglang_kvpub.cli", "tail", made.server.spec.stream_endpoint, "--check"],
+            stdout=out,
+            stderr=err,
+        )
+    try:  # tail prints every batch, heartbeats included: once it printed, it is subscribed
+        made.until(lambda: out_path.stat().st_size > 0 or tail.poll() is not None, "tail subscribed", 60.0)
+        assert tail.poll() is None, err_path.read_text()
+        old_epoch = wire.seq_epoch(main.messages()[-1][0])
+        made.server.stop()
+        made.server.start(timeout_s=900.0)
+        made.server.generate(PROMPTS["b"], dp_rank=1)
+        settle(made, view)
+    finally:
+        tail.send_signal(signal.SIGINT)
+        try:
+            tail.wait(60)
+        finally:
+            if tail.poll() is None:
+                tail.kill()
+                tail.wait(10)
+    new_epoch = wire.seq_epoch(main.messages()[-1][0])
+    assert new_epoch > old_epoch  # a seq-checking reader sees a gap, not an old seq
+    want = truth(main.messages())
+    live = one_worker(_epoch_of(view.messages()), positional=True)
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        replay = made.server.server_info()["kv_events"]["publishers"][1]["replay_endpoint"]
+        replayed = one_worker(replay_three_frames(context, replay, 0), positional=True)
+    finally:
+        context.term()
+    check_lines = [line for line in err_path.read_text().splitlines() if line.startswith("check: ")]
+    row: dict[str, Any] = {
+        "phase": "the whole instance restarted, rank 1 stores B again",
+        "truth_before": before,
+        "truth": want,
+        "folded_positional_new_epoch": answers(live),
+        "folded_replay_from_0": answers(replayed),
+        "folded_batches_new_epoch": live.batches,
+        "folded_refused": live.refused + replayed.refused,
+        "tail_check": json.loads(check_lines[-1][len("check: ") :]) if check_lines else None,
+    }
+    if indexer is not None:
+        row["dynamo_folded"] = _dynamo_scores(indexer, want)
+    print(row)
+    # A's own blocks were rank 0's before the restart: only the prefix it shares with B, stored again, is left
+    assert want["shared"] > 0 and want["a"] == want["shared"] < before["a"] and want["b"] > want["shared"], row
+    assert answers(live) == want and answers(replayed) == want and row["folded_refused"] == 0, row
+    if indexer is not None:
+        assert row["dynamo_folded"]["got"] == row["dynamo_folded"]["expected"], (row, indexer.log()[-3000:])
+    check = row["tail_check"]
+    assert check is not None, err_path.read_text()[-3000:]
+    assert check["instance_gaps"] == 0 and check["instance_restarts"] == 1 and check["gaps"] == {}, row
+    # the recorded stream read the same way: no gap; one rank batch taken out: that rank's gap
+    recorded = main.messages()
+    assert check_like_tail(recorded)["gaps"] == {} and check_like_tail(recorded)["instance_gaps"] == 0
+    dropped, rank = _a_rank_batch_between_two(recorded)
+    report = check_like_tail(recorded[:dropped] + recorded[dropped + 1 :])
+    print({"one_rank_batch_dropped": report, "dp_rank": rank})
+    assert report["gaps"] == {rank: 1} and report["instance_gaps"] == 1, report
+
+
+def _a_rank_batch_between_two(messages: list[tuple[int, bytes]]) -> tuple[int, int]:
+    """The index of the newest rank batch with a batch of its rank before and after it in
+    the same instance epoch (a checker places a rank at its first batch after a restart, so
+    only such a batch's loss shows as that rank's gap), and its rank."""
+    groups: dict[tuple[int, int], list[int]] = {}  # (instance epoch, dp_rank) -> indices, in order
+    for index, (seq, payload) in enumerate(messages):
+        rank, order = wire.read_rank_order(payload)
+        if rank is not None and order is not None:
+            groups.setdefault((wire.seq_epoch(seq), rank), []).append(index)
+    candidates = [(indices[-2], rank) for (_, rank), indices in groups.items() if len(indices) >= 3]
+    assert candidates, "no rank sent three batches"
+    return max(candidates)

@@ -74,8 +74,8 @@ static const unsigned char *msgpack_skip(const unsigned char *at, const unsigned
 
 /* Decodes leading ids of the forms token ids take (fixint, 0xcc, 0xcd, 0xce) into `ids`
  * while 5 bytes remain, each item's length and value computed from its tag rather than
- * switched on: the forms mix at random within a prompt, and msgpack_u32's switch per id
- * mispredicted (25 us for 6k ids, 15 this way).  Stops at the first other item
+ * switched on: the forms mix at random within a prompt, so a switch per id (msgpack_u32's)
+ * mispredicts often (docs/native.md has the figures).  Stops at the first other item
  * (msgpack_u32 takes it, or refuses it); returns the ids decoded. */
 static Py_ssize_t u32_run(const unsigned char **cursor, const unsigned char *stop, uint32_t *ids, Py_ssize_t count) {
     const unsigned char *at = *cursor;
