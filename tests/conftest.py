@@ -1,23 +1,71 @@
-"""Shared fixtures: free loopback endpoints and private ipc directories.
+"""Shared fixtures and helpers: free loopback endpoints, private ipc directories, a ZMQ context,
+polling a real condition, and an adapter state fed by hand.
 
 Tests never use fixed ports: several suites (and developers) run at once on one machine.
+Imports of ``motor_adapter`` stay inside the helpers: the README's clean venv collects every
+test module without the router's extra.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from sglang_kvpub.tools.ports import free_port as free_tcp_port
 from sglang_kvpub.tools.ports import free_port_block
 
-__all__ = ["free_port_block", "free_tcp_endpoint", "free_tcp_port"]
+if TYPE_CHECKING:
+    from motor_adapter.affinity import KvAffinity
+    from motor_adapter.settings import ServiceConfig
+    from motor_adapter.state import AdapterState
+
+__all__ = ["free_port_block", "free_tcp_endpoint", "free_tcp_port", "offline_adapter", "offline_state", "wait_for"]
 
 
 def free_tcp_endpoint() -> str:
     return f"tcp://127.0.0.1:{free_tcp_port()}"
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
+    """Polls a real condition until it holds and returns its value (another process's state
+    gives no event to wait on); fails naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)  # polling a condition with a deadline
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def offline_state(config: ServiceConfig) -> AdapterState:
+    """The adapter's state with affinities that subscribe to nothing: the test applies events
+    and rank loads to ``affinity.index`` / ``affinity.loads`` itself."""
+    from motor_adapter.affinity import KvAffinity, NoSubscriber
+    from motor_adapter.state import AdapterState
+
+    return AdapterState(config, affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber))
+
+
+def offline_adapter(
+    config: ServiceConfig, instances: Sequence[tuple[str, str]], block_size: int, model: str = "m"
+) -> tuple[AdapterState, KvAffinity]:
+    """``offline_state`` with each ``(instance_id, endpoint)`` registered as Motor registers it
+    (``type: vLLM``, ``dp_rank`` 0), and the one affinity they share for ``model``."""
+    from motor_adapter.registration import parse_registration
+
+    state = offline_state(config)
+    for instance_id, endpoint in instances:
+        body = {"instance_id": instance_id, "endpoint": endpoint, "type": "vLLM", "dp_rank": 0}
+        state.register(parse_registration({**body, "modelname": model, "block_size": block_size}))
+    affinity = state.affinity(model, "default", block_size)
+    assert affinity is not None
+    return state, affinity
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -34,6 +82,14 @@ def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
 @pytest.fixture
 def tcp_endpoint() -> Callable[[], str]:
     return free_tcp_endpoint
+
+
+@pytest.fixture
+def zctx() -> Iterator[zmq.Context[Any]]:
+    """A ZMQ context for the test, destroyed after it (lingering sockets dropped)."""
+    context: zmq.Context[Any] = zmq.Context()
+    yield context
+    context.destroy(linger=0)
 
 
 @pytest.fixture

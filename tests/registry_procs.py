@@ -151,14 +151,17 @@ class EtcdServer:
 
 
 class AdapterProcess:
-    """``motor-kv-adapter serve --port P --registry SPEC [--config F]``, restartable with the same command."""
+    """``motor-kv-adapter serve --port P [--registry SPEC] [--config F]``, restartable with the same
+    command (without ``--registry``: the default, a file per port under ``$XDG_STATE_HOME``)."""
 
-    def __init__(self, registry: str, log_path: Path, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, registry: str | None, log_path: Path, config: dict[str, Any] | None = None) -> None:
         self.port = free_tcp_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.cmd = [sys.executable, "-m", "motor_adapter.cli", "--log-level", "INFO", "serve"]
-        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--registry", registry]
+        self.cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
+        if registry is not None:
+            self.cmd += ["--registry", registry]
         if config is not None:
             config_path = log_path.with_suffix(".config.json")
             config_path.write_text(json.dumps(config))

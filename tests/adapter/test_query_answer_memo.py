@@ -7,13 +7,13 @@ import random
 import time
 
 import pytest
+from conftest import offline_adapter
 
 from motor_adapter import rank_render
-from motor_adapter.affinity import KvAffinity, NoSubscriber
+from motor_adapter.affinity import KvAffinity
 from motor_adapter.answer import rank_answer
 from motor_adapter.query_cache import QueryCache, WalkEntry
 from motor_adapter.rank_loads import RankLoadBook
-from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import AdapterState
@@ -27,16 +27,8 @@ CODEC = wire.LoadReportCodec()
 
 
 def _state(instances: int = 2) -> tuple[AdapterState, KvAffinity]:
-    state = AdapterState(
-        ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS)),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-    )
-    for i in range(instances):
-        body = {"instance_id": f"vllm-prefill-{i}", "endpoint": URLS[i], "type": "vLLM"}
-        state.register(parse_registration({**body, "modelname": "m", "block_size": BS, "dp_rank": 0}))
-    affinity = state.affinity("m", "default", BS)
-    assert affinity is not None
-    return state, affinity
+    config = ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS))
+    return offline_adapter(config, [(f"vllm-prefill-{i}", URLS[i]) for i in range(instances)], BS)
 
 
 def _report(loads: list[float]) -> wire.LoadReport:

@@ -14,10 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from conftest import offline_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from motor_adapter.affinity import KvAffinity, NoSubscriber
+from motor_adapter.affinity import KvAffinity
 from motor_adapter.registration import Registration, Unregistration
 from motor_adapter.scoring import KvAffinityConfig, conductor_response
 from motor_adapter.service import AdapterState, RequestError, ServiceConfig, u32_tokens
@@ -32,10 +33,7 @@ MEDIA = (wire.MEDIUM_GPU, wire.MEDIUM_CPU, wire.MEDIUM_DISK)
 
 
 def _state(cfg: KvAffinityConfig, shape: str = "tokens") -> AdapterState:
-    return AdapterState(
-        ServiceConfig(kv_affinity=cfg, query_shape=shape),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-    )
+    return offline_state(ServiceConfig(kv_affinity=cfg, query_shape=shape))
 
 
 def _reg(instance: str, dp: int, stream: str | None, block_size: int = BS, tenant: str = "default") -> Registration:

@@ -36,7 +36,6 @@ from tests.adapter.test_service import (  # noqa: F401  (pytest fixtures shared 
     prompt,
     server,
     wait_for,
-    zctx,
 )
 from tests.conftest import free_tcp_endpoint
 

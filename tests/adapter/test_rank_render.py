@@ -12,12 +12,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from conftest import offline_adapter
 
 from motor_adapter import query as query_module
 from motor_adapter import rank_render
 from motor_adapter import state as state_module
-from motor_adapter.affinity import KvAffinity, NoSubscriber
-from motor_adapter.registration import parse_registration
+from motor_adapter.affinity import KvAffinity
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import JSON_TYPE, AdapterState
@@ -42,16 +42,7 @@ def _report(loads: list[float]) -> wire.LoadReport:
 
 
 def _state(instances: int, cfg: KvAffinityConfig, names: list[str]) -> tuple[AdapterState, KvAffinity]:
-    state = AdapterState(
-        ServiceConfig(kv_affinity=cfg),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-    )
-    for i in range(instances):
-        body = {"instance_id": names[i], "endpoint": _url(i), "type": "vLLM", "dp_rank": 0}
-        state.register(parse_registration({**body, "modelname": "m", "block_size": BS}))
-    affinity = state.affinity("m", "default", BS)
-    assert affinity is not None
-    return state, affinity
+    return offline_adapter(ServiceConfig(kv_affinity=cfg), [(names[i], _url(i)) for i in range(instances)], BS)
 
 
 def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[str]]:

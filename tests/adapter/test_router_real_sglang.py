@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import sglang_real
-from conftest import free_port_block
+from conftest import free_port_block, wait_for
 
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.scoring import Candidate, KvAffinityConfig
@@ -76,13 +76,6 @@ def instance() -> Iterator[tuple[list[Rank], str, str]]:
             rank.publisher.shutdown()
 
 
-def _wait_for(condition: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_compat_mode_scores_the_rank_that_holds_the_prefix(instance: tuple[list[Rank], str, str]) -> None:
     ranks, endpoint, replay = instance
     prompt = _prompt(1, 5000)
@@ -94,7 +87,7 @@ def test_compat_mode_scores_the_rank_that_holds_the_prefix(instance: tuple[list[
         # Published before the router started: it must come back through SGLang's replay ROUTERs.
         affinity.add_instance("vllm-prefill-0", endpoint, replay_endpoint=replay, compat_dp_size=RANKS, topic=b"kv")
         affinity.add_instance("vllm-prefill-1", "tcp://127.0.0.1:1", compat_dp_size=1)  # an idle peer
-        _wait_for(lambda: affinity.query(prompt)["vllm-prefill-0"].get(HOLDER) is not None, "the holder's blocks")
+        wait_for(lambda: affinity.query(prompt)["vllm-prefill-0"].get(HOLDER) is not None, "the holder's blocks")
 
         hits = affinity.query(prompt)["vllm-prefill-0"]
         assert set(hits) == {HOLDER}, "a prefix held by one rank is credited to that rank only"
@@ -107,7 +100,7 @@ def test_compat_mode_scores_the_rank_that_holds_the_prefix(instance: tuple[list[
         # HBM released on the holder: SGLang's own BlockRemoved(GPU) reaches the index.
         ranks[HOLDER].radix.evict(ranks[HOLDER].cache, 10_000)
         ranks[HOLDER].flush()
-        _wait_for(lambda: not affinity.query(prompt)["vllm-prefill-0"], "the eviction")
+        wait_for(lambda: not affinity.query(prompt)["vllm-prefill-0"], "the eviction")
         after = affinity.select([Candidate("vllm-prefill-1", 0.0), Candidate("vllm-prefill-0", 500.0)], prompt)
         # Motor semantics: a successful all-zero answer ranks by load (no fallback, no pinned rank).
         assert (after.instance_id, after.matched, after.hbm, after.dp_rank) == ("vllm-prefill-1", 0, 0, None)

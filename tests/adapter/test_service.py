@@ -200,13 +200,6 @@ def connect(server: Server, pub: Publisher, rank: int | None = None) -> None:
 
 
 @pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
-@pytest.fixture
 def make_server() -> Iterator[Callable[..., Server]]:
     servers: list[Server] = []
 

@@ -17,11 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import offline_adapter
 
-from motor_adapter.affinity import KvAffinity, NoSubscriber
-from motor_adapter.registration import parse_registration
 from motor_adapter.settings import ServiceConfig
-from motor_adapter.state import AdapterState
 from sglang_kvpub import wire
 from sglang_kvpub.config import COST_KEYS, ConfigError, PluginConfig
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher, DispatchDecision
@@ -143,15 +141,8 @@ class Halves:
     def __init__(self, tmp_path: Path, engine_cost: dict[str, Any], adapter_cost: dict[str, Any]) -> None:
         adapter_file = tmp_path / "adapter.json"
         adapter_file.write_text(json.dumps({"kv_affinity": {**adapter_cost, "block_size": BS}}))
-        self.state = AdapterState(
-            ServiceConfig.from_file(str(adapter_file), env={}),
-            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-        )
-        body = {"instance_id": "vllm-prefill-0", "endpoint": STREAM, "type": "vLLM", "dp_rank": 0}
-        self.state.register(parse_registration({**body, "modelname": MODEL, "block_size": BS}))
-        affinity = self.state.affinity(MODEL, "default", BS)
-        assert affinity is not None
-        self.affinity = affinity
+        config = ServiceConfig.from_file(str(adapter_file), env={})
+        self.state, self.affinity = offline_adapter(config, [("vllm-prefill-0", STREAM)], BS, MODEL)
         config = PluginConfig.from_kv_events_json(json.dumps({"publisher": "zmq", **engine_cost}), env={})
         self.dispatcher = CacheAwareDispatcher(RANKS, BS, **config.cost())
         self.codec = wire.LoadReportCodec()

@@ -16,12 +16,10 @@ import random
 from collections import Counter
 
 import pytest
+from conftest import offline_adapter
 
-from motor_adapter.affinity import KvAffinity, NoSubscriber
-from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
-from motor_adapter.state import AdapterState
 from sglang_kvpub import wire
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher
 from sglang_kvpub.core.hashing import sequence_keys
@@ -43,16 +41,8 @@ class Cluster:
 
     def __init__(self) -> None:
         cfg = KvAffinityConfig(block_size=BS)
-        self.state = AdapterState(
-            ServiceConfig(kv_affinity=cfg),
-            affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-        )
-        for i in range(INSTANCES):
-            body = {"instance_id": f"vllm-prefill-{i}", "endpoint": _stream(i), "type": "vLLM", "dp_rank": 0}
-            self.state.register(parse_registration({**body, "modelname": MODEL, "block_size": BS}))
-        affinity = self.state.affinity(MODEL, "default", BS)
-        assert affinity is not None
-        self.affinity = affinity
+        instances = [(f"vllm-prefill-{i}", _stream(i)) for i in range(INSTANCES)]
+        self.state, self.affinity = offline_adapter(ServiceConfig(kv_affinity=cfg), instances, BS, MODEL)
         self.dispatchers = [CacheAwareDispatcher(RANKS, BS) for _ in range(INSTANCES)]
         self.loads = [[0.0] * RANKS for _ in range(INSTANCES)]
         self.held: list[list[set[int]]] = [[set() for _ in range(RANKS)] for _ in range(INSTANCES)]

@@ -78,13 +78,6 @@ def replay(ctx: zmq.Context[Any], endpoint: str, start: int, snapshot: bool = Fa
         dealer.close(linger=0)
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 class Cluster:
     """A fan-in process plus rank processes, torn down whatever happens."""
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
@@ -15,13 +14,6 @@ from sglang_kvpub.publish.fanin import FanIn
 from sglang_kvpub.publish.rank_publisher import RankPublisher
 
 pytestmark = pytest.mark.integration
-
-
-def _wait(condition: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def _stored(hashes: list[int], tokens: list[int], size: int) -> wire.BlockStored:
@@ -65,7 +57,7 @@ def test_one_unencodable_batch_does_not_stop_the_process_sender(ipc_dir: Path) -
     try:
         ranks[0].publish(wire.EventBatch(ts=1.0, events=[_stored([1], [1 << 70], 1)]))  # msgspec cannot encode
         ranks[1].publish(wire.EventBatch(ts=1.0, events=[_stored([2], [3], 1)]))
-        _wait(lambda: fanin.stats()["ranks"].get(1, {}).get("batches", 0) >= 1, "rank 1's batch")
+        wait_for(lambda: fanin.stats()["ranks"].get(1, {}).get("batches", 0) >= 1, "rank 1's batch")
         assert ranks[0].stats["encode_errors"] == 1
     finally:
         for rank in ranks:

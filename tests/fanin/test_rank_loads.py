@@ -14,12 +14,11 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
-from conftest import free_tcp_endpoint
+from conftest import free_tcp_endpoint, offline_adapter
 
 from motor_adapter.adapter_metrics import RANK_METRICS
-from motor_adapter.affinity import KvAffinity, NoSubscriber
+from motor_adapter.affinity import KvAffinity
 from motor_adapter.rank_loads import RankLoadBook
-from motor_adapter.registration import parse_registration
 from motor_adapter.scoring import KvAffinityConfig, RankScored, motor_values, pick_instance
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import AdapterState
@@ -236,16 +235,8 @@ def test_motor_values_make_both_motors_pick_the_cheapest_rank() -> None:
 
 
 def _state() -> tuple[AdapterState, KvAffinity]:
-    state = AdapterState(
-        ServiceConfig(kv_affinity=KvAffinityConfig(block_size=16)),
-        affinity_factory=lambda c, cap: KvAffinity(c, cap, subscriber_factory=NoSubscriber),
-    )
-    for i in range(2):
-        body = {"instance_id": f"vllm-prefill-{i}", "endpoint": f"tcp://127.0.0.{i + 1}:5557", "type": "vLLM"}
-        state.register(parse_registration({**body, "modelname": "m", "block_size": 16, "dp_rank": 0}))
-    affinity = state.affinity("m", "default", 16)
-    assert affinity is not None
-    return state, affinity
+    instances = [(f"vllm-prefill-{i}", f"tcp://127.0.0.{i + 1}:5557") for i in range(2)]
+    return offline_adapter(ServiceConfig(kv_affinity=KvAffinityConfig(block_size=16)), instances, 16)
 
 
 @pytest.mark.unit

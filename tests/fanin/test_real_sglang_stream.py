@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,6 @@ pytestmark = [pytest.mark.integration, sglang_real.requires_sglang_kv_events]
 
 TOPIC = "kv"
 DEADLINE_S = 30.0
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _cli(*args: str) -> list[str]:

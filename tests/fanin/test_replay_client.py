@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -50,13 +49,6 @@ class Router:
             self.socket.send_multipart(replay_reply_frames(identity, b"kv", seq, b"payload-%d" % seq))
         if not self.silent:
             self.socket.send_multipart(replay_end_frames(identity))
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def test_fetch_returns_every_reply_in_order_until_the_end_marker(ctx: zmq.Context[Any]) -> None:

@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,6 @@ def make_config() -> PluginConfig:
         heartbeat_s=0.1,
         topic="kv",
     )
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture(params=["tcp", "ipc", "unixpkt"])

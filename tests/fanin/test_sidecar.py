@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -87,13 +86,6 @@ class PlainRank:
         self.thread.join(5.0)
         self.pub.close(linger=0)
         self.router.close(linger=0)
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def ordered_indices(sub: Sub, rank: int) -> list[int]:

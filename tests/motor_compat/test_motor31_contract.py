@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import msgspec
 import pytest
 
 from sglang_kvpub.core.hashing import local_block_hashes
-from tests.conftest import free_tcp_port
+from tests.conftest import free_tcp_port, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -56,16 +56,6 @@ def http(url: str, body: Any = None, *, msgpack: bool = False, accept: str | Non
         return status, kind, msgspec.msgpack.decode(raw)
     text = raw.decode()
     return status, kind, json.loads(text) if text[:1] in "{[" else text
-
-
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a condition with a deadline
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Conductor:

@@ -20,20 +20,20 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from registry_procs import AdapterProcess
 
 from motor_adapter.tools.motor_coordinator import Coordinator, instance_event, topology, user_config
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.tools.simulator import SimulatedInstance
 from tests.adapter.test_tokenize import _build_tokenizer
-from tests.conftest import free_tcp_port
+from tests.conftest import free_tcp_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
@@ -78,44 +78,11 @@ def _http(url: str, body: Any = None) -> tuple[int, Any]:
         return 0, str(exc)
 
 
-def _wait(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)  # polling a condition with a deadline
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Adapter:
-    """``motor-kv-adapter serve`` as a real server process on loopback."""
-
-    def __init__(self, log: Path) -> None:
-        self.port = free_tcp_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "motor_adapter.cli", "serve", "--port", str(self.port)],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-        _wait(lambda: _http(self.url + "/health")[0] == 200, "adapter /health")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+def _adapter(log: Path) -> AdapterProcess:
+    """``motor-kv-adapter serve`` as a real server process on loopback, its registrations in a file."""
+    adapter = AdapterProcess(None, log)
+    adapter.start()
+    return adapter
 
 
 class MotorChild:
@@ -190,7 +157,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[list[SimulatedInstance], int, int]
             instance.close()
 
 
-def _hit(adapter: Adapter, tok: Any, prompt: str, instance: str) -> Any:
+def _hit(adapter: AdapterProcess, tok: Any, prompt: str, instance: str) -> Any:
     body = {"model": MODEL, "block_size": BS, "token_ids": tok.encode(prompt)}
     status, answer = _http(adapter.url + "/query", body)
     entry = answer["default"].get(instance) if status == 200 else None
@@ -201,7 +168,7 @@ def test_motors_client_and_policy_pick_the_instance_and_endpoint_that_hold_the_p
     tmp_path: Path, tokenizer_dir: Path, tok: Any, cluster: tuple[list[SimulatedInstance], int, int]
 ) -> None:
     instances, events, replay = cluster
-    adapter = Adapter(tmp_path / "adapter.log")
+    adapter = _adapter(tmp_path / "adapter.log")
     mode, _role = topology()
     config = user_config(
         adapter_port=adapter.port,
@@ -219,17 +186,17 @@ def test_motors_client_and_policy_pick_the_instance_and_endpoint_that_hold_the_p
         sent = motor.logged("register_data")
         assert len(sent) == 2 and "'type': 'vLLM'" in sent[0] and "dp_size" not in sent[0]
         assert f"tcp://{HOSTS[1]}:{events}" in sent[1] and f"'block_size': {BS}" in sent[1]
-        workers = _wait(lambda: len(_http(adapter.url + "/workers")[1]["workers"]) == 2, "2 workers")
+        workers = wait_for(lambda: len(_http(adapter.url + "/workers")[1]["workers"]) == 2, "2 workers")
         assert workers
 
         # The adapter found each instance stream and its dp_size by itself.
-        _wait(lambda: adapter.log().count("instance stream with dp_size 2") == 2, "stream discovery logged")
+        wait_for(lambda: adapter.log().count("instance stream with dp_size 2") == 2, "stream discovery logged")
         health = [w["health"]["0"][0] for w in _http(adapter.url + "/workers")[1]["workers"]]
         assert [h["dp_size"] for h in health] == [2, 2] and "plain engine stream" not in adapter.log()
 
         hot_1 = "instance one holds this long shared system prompt, " * 12
         instances[1].dispatch(tok.encode(hot_1), routed_dp_rank=1)  # rank 1 of instance 1 prefilled it
-        entry = _wait(lambda: _hit(adapter, tok, hot_1, "vllm-prefill-1"), "instance 1's hit")
+        entry = wait_for(lambda: _hit(adapter, tok, hot_1, "vllm-prefill-1"), "instance 1's hit")
         assert entry["dp_detail"]["0"]["engine_dp_rank"] == 1  # every rank folds into Motor's dp 0
         assert motor.call(op="select", prompt=hot_1) == {"instance": 1, "endpoint": 0}
         assert motor.logged("query success!") and motor.logged("select_endpoint: 1-0  max_kv_gpu:")
@@ -237,7 +204,7 @@ def test_motors_client_and_policy_pick_the_instance_and_endpoint_that_hold_the_p
 
         hot_0 = "a different document that instance zero has cached already; " * 10
         instances[0].dispatch(tok.encode(hot_0), routed_dp_rank=0)
-        _wait(lambda: _hit(adapter, tok, hot_0, "vllm-prefill-0"), "instance 0's hit")
+        wait_for(lambda: _hit(adapter, tok, hot_0, "vllm-prefill-0"), "instance 0's hit")
         assert motor.call(op="select", prompt=hot_0) == {"instance": 0, "endpoint": 0}
         assert motor.logged("select_endpoint: 0-0")
 
@@ -251,7 +218,7 @@ def test_motors_client_and_policy_pick_the_instance_and_endpoint_that_hold_the_p
         assert motor.call(op="select", prompt=cold)["instance"] in (0, 1)
 
         motor.call(op="unregister")
-        _wait(lambda: _http(adapter.url + "/workers")[1]["workers"] == [], "unregistered")
+        wait_for(lambda: _http(adapter.url + "/workers")[1]["workers"] == [], "unregistered")
         # No registration: 404 NoIndexer -> Motor's client returns {} -> the policy gives up
         # (None), and Motor's scheduler falls back to load_balance.
         assert motor.call(op="select", prompt=hot_1) == {"instance": None}
@@ -311,7 +278,7 @@ def test_motors_real_coordinator_scores_the_instance_through_the_adapter(
     tmp_path: Path, tokenizer_dir: Path, tok: Any, cluster: tuple[list[SimulatedInstance], int, int]
 ) -> None:
     instances, events, replay = cluster
-    adapter = Adapter(tmp_path / "adapter.log")
+    adapter = _adapter(tmp_path / "adapter.log")
     engine = _Engine(instances[0], tok)
     mode, role = topology()
     ports = [free_tcp_port() for _ in range(3)]
@@ -336,11 +303,11 @@ def test_motors_real_coordinator_scores_the_instance_through_the_adapter(
                 instance_id=0, model_name=MODEL, http_host="127.0.0.1", http_port=engine.port, dp_size=2, role=role
             )
         )
-        _wait(lambda: "registered vllm-prefill-0 dp 0" in adapter.log(), "Motor's registration")
+        wait_for(lambda: "registered vllm-prefill-0 dp 0" in adapter.log(), "Motor's registration")
         prompt = "the same long prompt, twice through Motor's coordinator. " * 12
         completion = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
         assert _http(coordinator.infer_url + "/v1/completions", completion)[0] == 200
-        _wait(lambda: _hit(adapter, tok, prompt, "vllm-prefill-0"), "the adapter sees request 1's blocks")
+        wait_for(lambda: _hit(adapter, tok, prompt, "vllm-prefill-0"), "the adapter sees request 1's blocks")
         assert _http(coordinator.infer_url + "/v1/completions", completion)[0] == 200
         scored = [line for line in coordinator.log().splitlines() if "select_endpoint" in line]
         assert scored and "max_kv_gpu:0" in scored[0] and "max_kv_gpu:0" not in scored[-1], scored

@@ -25,13 +25,12 @@ from tests.adapter.test_service import (
     prompt,
     server,
     wait_for,
-    zctx,
 )
 from tests.conftest import free_tcp_endpoint
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["make_server", "server", "zctx"]  # fixtures, re-bound by name
+__all__ = ["make_server", "server"]  # fixtures, re-bound by name
 
 
 def _register(url: str, body: dict[str, Any]) -> int:

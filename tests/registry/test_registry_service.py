@@ -38,7 +38,6 @@ from tests.adapter.test_service import (  # noqa: F401  (pytest fixtures shared 
     make_server,
     prompt,
     wait_for,
-    zctx,
 )
 from tests.conftest import free_tcp_endpoint
 

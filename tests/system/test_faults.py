@@ -146,13 +146,6 @@ def make_instance(tmp_path: Path) -> Iterator[Callable[..., Instance]]:
         instance.close()
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def subscribe(ctx: zmq.Context[Any], config: PluginConfig, index: PrefixIndex) -> StreamSubscriber:
     sub = StreamSubscriber(
         "inst", config.endpoint, index, replay_endpoint=config.replay_endpoint, context=ctx, options=FAST

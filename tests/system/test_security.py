@@ -30,13 +30,6 @@ BS = 4
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def _store(fanin: FanIn, rank_seq: int, block: int) -> None:
     event = wire.BlockStored(block_hashes=[block], token_ids=[block % 1000] * BS, block_size=BS)
     fanin.ingest(0, 1, rank_seq, wire.EventBatch(ts=time.time(), events=[event]))

@@ -254,13 +254,6 @@ def test_frame_parsers_accept_what_the_encoders_write() -> None:
 # ----------------------------------------------------------------------------- sockets (integration)
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context[Any]]:
-    ctx: zmq.Context[Any] = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def _deadline(
     condition: Callable[[], bool], what: str, timeout_s: float = 10.0, tick: Callable[[], None] | None = None
 ) -> None:

@@ -40,13 +40,6 @@ def radix() -> sglang_real.RadixApi:
     return sglang_real.load_radix_cache()
 
 
-@pytest.fixture
-def zctx() -> Iterator[zmq.Context]:
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
-
 def _config(endpoint: str, replay: str | None = None, topic: str = "kv") -> str:
     body: dict[str, Any] = {"publisher": "zmq", "endpoint": endpoint, "bind": True, "topic": topic}
     if replay:
