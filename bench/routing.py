@@ -432,7 +432,11 @@ class ShippedFeed:
         self.loads_codec = wire.LoadReportCodec()  # the fan-in's encoder and the subscriber's decoder
         self.router = self._affinity(cfg) if router else None
         self.dp0 = self._affinity(cfg) if dp0 else None
-        self.dispatchers = [CacheAwareDispatcher(ranks, page_size) for _ in range(instances)] if dispatch else []
+        # The plugin's shipped setting: pending prefixes on (dp_pending).
+        pending = PluginConfig().dp_pending
+        self.dispatchers = (
+            [CacheAwareDispatcher(ranks, page_size, pending=pending) for _ in range(instances)] if dispatch else []
+        )
         self.adapter = self._adapter(cfg) if adapter else None
         self.batches = 0
         self.load_reports = 0
