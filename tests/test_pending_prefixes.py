@@ -179,3 +179,23 @@ def test_the_controller_abort_hook_drops_the_pending_prefix_and_never_raises() -
     everything.abort_all = True
     dispatch_hook._control_hook(lambda self, obj: None, controller, everything)
     assert len(_pending(d)) == 0
+
+
+def test_members_waiting_for_a_prefill_do_not_count_as_its_queue() -> None:
+    """The engine counts every waiting member as work; the rank computes the prompt once.
+    A member's wait is the prefill in front of it: the riders' part leaves the rank's load."""
+    d = _dispatcher()
+    prompt = _tokens(20 * BLOCK + 5)
+    loads = [1000.0] * RANKS
+    first = d.choose(prompt, loads, rid="m0")
+    assert first.rank is not None and first.pending_tokens == 0
+    loads = [1000.0 + len(prompt) if r == first.rank else 2000.0 for r in range(RANKS)]  # the others got busier
+    for i in range(1, 8):
+        member = d.choose(prompt, loads, rid=f"m{i}")
+        assert (member.rank, member.pending_tokens) == (first.rank, 20 * BLOCK)
+        assert member.load == pytest.approx(1000 + len(prompt) + 5 * (i - 1))  # the first, then 5 tokens each
+        loads[first.rank] += len(prompt)  # the engine's figure: each member queued in full
+    pend = _pending(d)
+    assert pend.credit[first.rank] == 7 * 20 * BLOCK
+    _publish(d, first.rank, prompt)  # the prefill ended: the members are cache hits now
+    assert pend.credit[first.rank] == 0.0 and len(pend) == 0

@@ -116,6 +116,7 @@ class DispatchDecision(NamedTuple):
     disk_blocks: int = 0
     load: float | None = None
     cost: float | None = None
+    pending_tokens: int = 0  # of matched_tokens, those the rank is still prefilling (pending prefixes)
 
     def log_line(self) -> str:
         """Motor's ``scheduled`` line shape, logged by the controller at info level per request."""
@@ -320,6 +321,10 @@ class CacheAwareDispatcher:
         there, unless it holds (or is already prefilling) them all."""
         blocks = decision.isl // self.block_size
         held = decision.npu_blocks + decision.cpu_blocks + decision.disk_blocks
+        if decision.pending_tokens and keys is not None:
+            # It waits for a prefill already there: the engine counts it in the rank's load as
+            # if it computed those tokens, the rank will not (PendingPrefixes.waits).
+            pending.ride(rank, keys, decision.npu_blocks, decision.pending_tokens)
         if held >= blocks:
             return
         if keys is None:
@@ -348,7 +353,7 @@ class CacheAwareDispatcher:
             return DispatchDecision(None, REASON_NO_CANDIDATES, isl), None
         short = isl < self.block_size
         # A prompt shorter than one block holds no block anywhere: the least loaded rank.
-        hits = {} if short else self._hits(token_ids, lora_name)
+        hits = cached = {} if short else self._hits(token_ids, lora_name)
         keys = None
         pending = self.pending
         if not short and pending is not None and not pending.empty(ranks):
@@ -356,6 +361,7 @@ class CacheAwareDispatcher:
             ahead = pending.depths(keys, ranks)
             if ahead:
                 hits = with_pending(hits, ahead, self.params)
+                loads = pending.waits(loads)
         # Equal costs go to the first rank from a start the prompt fixes (the adapter computes
         # the same), so distinct cold prompts spread over the ranks and both halves agree.
         key = spread_key(token_ids, self.block_size) if spread is None else spread
@@ -364,7 +370,12 @@ class CacheAwareDispatcher:
         )
         npu, cpu, disk = hits.get(best, _NO_HIT)
         why = REASON_SHORT_PROMPT if short and reason != 2 else _SCORE_REASONS[reason]
-        return DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost)), keys
+        ahead_tokens = 0
+        if hits is not cached and matched:
+            held = cached.get(best)
+            ahead_tokens = max(0, matched - (self.params.matched(held, isl) if held is not None else 0))
+        decision = DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost), ahead_tokens)
+        return decision, keys
 
     def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
         """The candidate ranks with a load figure (the caller's list when all have one)."""

@@ -64,6 +64,10 @@ class PendingPrefixes:
         self._held: list[dict[int, int]] = [{} for _ in range(dp_size)]  # per rank: key -> entries holding it
         self._entries: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()  # oldest first
         self._per_rank = [0] * dp_size
+        # Per rank: tokens of requests sent to wait for an entry's prefill (riders), which the
+        # engine's load counts as work the rank will not do; each entry holds its riders' part.
+        self.credit = [0.0] * dp_size
+        self._credit: dict[Hashable, float] = {}
         self.keys = 0
         self.added = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)
@@ -97,6 +101,27 @@ class PendingPrefixes:
                 if n:
                     out[rank] = n
         return out
+
+    def waits(self, loads: Sequence[float]) -> list[float]:
+        """``loads`` (indexed by rank) less each rank's riders: the wait of a request that
+        joins a pending prefix is the prefill in front of it, not the riders beside it, which
+        the cache serves once that prefill ends."""
+        credit = self.credit
+        return [max(0.0, load - credit[r]) if r < len(credit) and credit[r] else load for r, load in enumerate(loads)]
+
+    def ride(self, rank: int, keys: Sequence[int], depth: int, tokens: float) -> bool:
+        """A request waits on ``rank`` for the entry holding its first ``depth`` keys, which
+        saves it ``tokens``: credited to the rank while that entry is pending."""
+        if depth <= 0 or tokens <= 0 or not 0 <= rank < self.dp_size or depth > len(keys):
+            return False
+        last = keys[depth - 1]
+        with self._lock:
+            for rid, entry in self._entries.items():
+                if entry.rank == rank and len(entry.keys) >= depth and entry.keys[depth - 1] == last:
+                    self._credit[rid] = self._credit.get(rid, 0.0) + tokens
+                    self.credit[rank] += tokens
+                    return True
+        return False
 
     def add(self, rid: Hashable, rank: int, keys: Sequence[int], now: float | None = None) -> None:
         """``keys`` (a prompt's leading block keys) will be on ``rank`` once request ``rid`` is prefilled."""
@@ -189,4 +214,8 @@ class PendingPrefixes:
                 held.pop(key, None)
         self.keys -= len(entry.keys)
         self._per_rank[entry.rank] -= 1
+        credit = self._credit.pop(rid, 0.0)
+        if credit:
+            rest = self.credit[entry.rank] - credit
+            self.credit[entry.rank] = rest if rest > 1e-6 else 0.0
         self.dropped[reason] += 1

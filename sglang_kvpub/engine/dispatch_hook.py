@@ -277,7 +277,10 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
     getattr(controller, LOG_ATTR, _DEFAULT_LOG)(decision, getattr(req, "rid", None))
     rank = decision.rank
     if rank is not None:
-        committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched
+        # Motor commits isl - matched; a request waiting for a prefill on the rank (pending
+        # prefix) as the engine will count it: its pending part too, which the dispatcher's
+        # rider credit takes off again (core/pending.py, PendingPrefixes.waits).
+        committed = max(0, decision.isl - decision.matched_tokens + decision.pending_tokens)
         dispatcher.inflight.add(rank, committed)
         if rank < len(dispatcher.commits):
             dispatcher.commits[rank].append((time.time(), float(committed)))
