@@ -467,7 +467,15 @@ class ShippedFeed:
     def report_loads(self, instance: int, loads: Sequence[float], ts: float) -> None:
         """One rank-load message of an instance: encoded as the fan-in encodes it, decoded as the
         adapter's subscriber decodes it, applied to the adapter's load book."""
-        figures = wire.RankLoads([wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)], {}, LOAD_REPORT_S)
+        pending = self.dispatchers[instance].pending if self.dispatchers else None
+        if pending is None:
+            ranks = [wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)]
+        else:  # as the fan-in reports them (engine/load_report.py): riders off, pending keys on
+            ranks = [
+                wire.RankLoad(r, round(v, 1), pending=pending.keys_of(r, wire.MAX_PENDING_KEYS))
+                for r, v in enumerate(pending.waits(loads))
+            ]
+        figures = wire.RankLoads(ranks, {}, LOAD_REPORT_S)
         report = self.loads_codec.decode(self.loads_codec.encode(ts, figures))
         assert report is not None
         self.adapter_affinity().loads.apply(self.stream(instance), report)

@@ -356,12 +356,13 @@ class CacheAwareDispatcher:
         hits = cached = {} if short else self._hits(token_ids, lora_name)
         keys = None
         pending = self.pending
+        if pending is not None and pending.credited():
+            loads = pending.waits(loads)  # riders are not the rank's work (PendingPrefixes.waits)
         if not short and pending is not None and not pending.empty(ranks):
             keys = sequence_keys(token_ids, self.block_size, lora_name)
             ahead = pending.depths(keys, ranks)
             if ahead:
                 hits = with_pending(hits, ahead, self.params)
-                loads = pending.waits(loads)
         # Equal costs go to the first rank from a start the prompt fixes (the adapter computes
         # the same), so distinct cold prompts spread over the ranks and both halves agree.
         key = spread_key(token_ids, self.block_size) if spread is None else spread

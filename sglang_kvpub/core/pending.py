@@ -102,6 +102,31 @@ class PendingPrefixes:
                     out[rank] = n
         return out
 
+    def credited(self) -> bool:
+        """Whether any rank has riders (then :meth:`waits` changes loads)."""
+        return bool(self._credit)
+
+    def keys_of(self, rank: int, limit: int) -> list[int]:
+        """Up to ``limit`` of the block keys pending on ``rank``, oldest entries' first: what
+        the rank-load message tells the router (``wire.RankLoad.pending``)."""
+        out: list[int] = []
+        if not 0 <= rank < self.dp_size or limit <= 0:
+            return out
+        with self._lock:
+            if not self._per_rank[rank]:
+                return out
+            seen: set[int] = set()
+            for entry in self._entries.values():
+                if entry.rank != rank:
+                    continue
+                for key in entry.keys:
+                    if key not in seen:
+                        seen.add(key)
+                        out.append(key)
+                        if len(out) >= limit:
+                            return out
+        return out
+
     def waits(self, loads: Sequence[float]) -> list[float]:
         """``loads`` (indexed by rank) less each rank's riders: the wait of a request that
         joins a pending prefix is the prefill in front of it, not the riders beside it, which

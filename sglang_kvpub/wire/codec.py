@@ -20,6 +20,7 @@ from sglang_kvpub.wire.contract import (
     _I64_MIN,
     LOAD_REPORT_PREFIX,
     MAX_LOAD_RANKS,
+    MAX_PENDING_KEYS,
     MEDIUM_GPU,
     U64_MASK,
     AllBlocksCleared,
@@ -681,6 +682,7 @@ class LoadReportCodec:
         if report.events or len(ranks) > MAX_LOAD_RANKS or len(report.loads.dispatch) > 64:
             raise WireError("bad load report", f"{len(report.events)} events, {len(ranks)} ranks")
         for rank in ranks:
-            if not 0 <= rank.dp_rank < MAX_LOAD_RANKS or not math.isfinite(rank.load_tokens):
+            bad = len(rank.pending) > MAX_PENDING_KEYS
+            if bad or not 0 <= rank.dp_rank < MAX_LOAD_RANKS or not math.isfinite(rank.load_tokens):
                 raise WireError("bad load report", f"rank {rank.dp_rank} load {rank.load_tokens}")
         return report
