@@ -34,6 +34,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         dp_size=DP,
         max_total_tokens=4096,
         kv_events_extra={"heartbeat_s": 0.2, "dispatch_log": "info"},
+        extra_args=("--schedule-policy", "lpm"),
     )
     try:
         yield made
