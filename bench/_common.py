@@ -92,6 +92,7 @@ class Target:
 _CONVERSATION = ("trace", "conversation_trace.jsonl")
 _SYNTHETIC = ("trace", "synthetic_trace.jsonl")
 _AGENTIC = ("trace", "agentic_sessions")
+_ROLLOUT = ("trace", "rollout")
 _DEFAULT = ("policy", "default")
 
 # The project's performance targets: ONE list, read by every bench
@@ -157,6 +158,12 @@ TARGETS: tuple[Target, ...] = (
             Target("routing", "ttft_p90_s", "<=", "oracle_ttft_p90_s", factor=1.1, where=(_DEFAULT, workload)),
         )
     ),
+    # RL rollout bursts (GRPO groups sent at once): the default path against the oracle, which
+    # knows what every rank is prefilling.
+    Target("routing", "hit_ratio_vs_oracle", ">=", 0.95, where=(_DEFAULT, _ROLLOUT)),
+    Target("routing", "hit_ratio", ">=", "best_other_shipped_hit_ratio", where=(_DEFAULT, _ROLLOUT)),
+    Target("routing", "ttft_p50_s", "<=", "oracle_ttft_p50_s", factor=1.2, where=(_DEFAULT, _ROLLOUT)),
+    Target("routing", "ttft_p90_s", "<=", "oracle_ttft_p90_s", factor=1.2, where=(_DEFAULT, _ROLLOUT)),
     Target("e2e_pd", "repeats_cached_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e_pd", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
 )

@@ -1,6 +1,7 @@
 """Routing quality on the public Mooncake traces: a discrete-event simulation of P prefill instances x R DP ranks.
 
-    python bench/routing.py [--trace FILE | --workload agentic [--sessions 1200]] [--instances 2] [--ranks 16]
+    python bench/routing.py [--trace FILE | --workload agentic [--sessions 1200] | --workload rollout]
+                            [--instances 2] [--ranks 16]
                             [--capacity-pages 4096] [--load 0.6] [--limit N] [--policies a,b,...] [--seed 0]
                             [--out-dir bench/results]
 
@@ -45,7 +46,9 @@ router's KvAffinity, and CacheAwareDispatcher.observe of the instance's dispatch
 
 Workloads: a Mooncake trace (--trace), or --workload agentic: agentic multi-turn sessions generated from --seed
 (agentic_records: a few long shared system prompts, each session's history growing turn by turn, think time
-between turns, many sessions interleaved), reported as trace "agentic_sessions".
+between turns, many sessions interleaved), reported as trace "agentic_sessions", or --workload rollout: RL
+rollout bursts generated from --seed (rollout_records: 24 steps x 32 prompts x GRPO groups of 8 identical
+prompts sent at once, a 3k-token shared instruction prompt, 0.5-4.5k-token questions), reported as "rollout".
 
 Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field "code": "shipped"):
 - default: what operators get. motor-kv-adapter's state (AdapterState.answer_keys: /query's answer, each instance
@@ -296,6 +299,45 @@ def agentic_records(
     return records
 
 
+ROLLOUT = "rollout"  # the "trace" name of the generated RL-rollout workload
+
+
+def rollout_records(
+    seed: int,
+    steps: int = 24,
+    prompts: int = 32,
+    group: int = 8,
+    shared_tokens: int = 3072,
+    question_tokens: tuple[int, int] = (500, 4500),
+    step_s: float = 100.0,
+) -> list[dict[str, Any]]:
+    """RL rollout bursts, generated from ``seed``, as Mooncake records.
+
+    Every training step sends ``prompts`` prompts at once, each ``group`` times (a GRPO
+    group: identical prompts), all under one shared instruction prompt of ``shared_tokens``
+    (whole 512-token blocks), each prompt's question ``question_tokens`` long; then nothing
+    until the next step, ``step_s`` later (build_requests rescales the span to the load).
+    A step's requests share one timestamp, in a shuffled order: the members of a group reach
+    the router while the first of them is still being prefilled."""
+    rng = random.Random(seed)
+    counter = iter(range(1 << 62))
+    shared = [next(counter) for _ in range(-(-shared_tokens // TRACE_BLOCK_TOKENS))]
+    records: list[dict[str, Any]] = []
+    for step in range(steps):
+        at = int(step * step_s * 1000)
+        burst: list[dict[str, Any]] = []
+        for _ in range(prompts):
+            blocks = list(shared)
+            tokens = _extend(blocks, len(shared) * TRACE_BLOCK_TOKENS, rng.randint(*question_tokens), counter)
+            output = rng.randint(200, 2000)
+            for _ in range(group):
+                burst.append({"timestamp": at, "input_length": tokens, "output_length": output,
+                              "hash_ids": list(blocks)})  # fmt: skip
+        rng.shuffle(burst)  # sent concurrently: the router sees the step's requests in no group order
+        records.extend(burst)
+    return records
+
+
 def _extend(blocks: list[int], tokens: int, added: int, counter: Any) -> int:
     """Appends ``added`` tokens to a history of ``tokens`` covered by ``blocks`` (512-token slots):
     a partly filled last slot keeps its id (its full pages are unchanged), new slots get new ids."""
@@ -390,7 +432,11 @@ class ShippedFeed:
         self.loads_codec = wire.LoadReportCodec()  # the fan-in's encoder and the subscriber's decoder
         self.router = self._affinity(cfg) if router else None
         self.dp0 = self._affinity(cfg) if dp0 else None
-        self.dispatchers = [CacheAwareDispatcher(ranks, page_size) for _ in range(instances)] if dispatch else []
+        # The plugin's shipped setting: pending prefixes on (dp_pending).
+        pending = PluginConfig().dp_pending
+        self.dispatchers = (
+            [CacheAwareDispatcher(ranks, page_size, pending=pending) for _ in range(instances)] if dispatch else []
+        )
         self.adapter = self._adapter(cfg) if adapter else None
         self.batches = 0
         self.load_reports = 0
@@ -421,7 +467,15 @@ class ShippedFeed:
     def report_loads(self, instance: int, loads: Sequence[float], ts: float) -> None:
         """One rank-load message of an instance: encoded as the fan-in encodes it, decoded as the
         adapter's subscriber decodes it, applied to the adapter's load book."""
-        figures = wire.RankLoads([wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)], {}, LOAD_REPORT_S)
+        pending = self.dispatchers[instance].pending if self.dispatchers else None
+        if pending is None:
+            ranks = [wire.RankLoad(r, round(v, 1)) for r, v in enumerate(loads)]
+        else:  # as the fan-in reports them (engine/load_report.py): riders off, pending keys on
+            ranks = [
+                wire.RankLoad(r, round(v, 1), pending=pending.keys_of(r, wire.MAX_PENDING_KEYS))
+                for r, v in enumerate(pending.waits(loads))
+            ]
+        figures = wire.RankLoads(ranks, {}, LOAD_REPORT_S)
         report = self.loads_codec.decode(self.loads_codec.encode(ts, figures))
         assert report is not None
         self.adapter_affinity().loads.apply(self.stream(instance), report)
@@ -994,9 +1048,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake jsonl trace (default: %(default)s)")
     p.add_argument(
         "--workload",
-        choices=("trace", "agentic"),
+        choices=("trace", "agentic", ROLLOUT),
         default="trace",
-        help="trace: the --trace file; agentic: sessions generated from --seed (agentic_records)",
+        help="trace: the --trace file; agentic: sessions generated from --seed (agentic_records); "
+        "rollout: RL rollout bursts generated from --seed (rollout_records)",
     )
     p.add_argument("--sessions", type=int, default=1200, help="agentic sessions (default %(default)s)")
     p.add_argument("--instances", type=int, default=2, help="prefill instances (default 2)")
@@ -1036,6 +1091,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workload == "agentic":
         records = agentic_records(args.seed, args.sessions)[: args.limit]
         name = AGENTIC
+    elif args.workload == ROLLOUT:
+        records = rollout_records(args.seed)[: args.limit]
+        name = ROLLOUT
     else:
         try:
             records = load_trace(args.trace, args.limit)

@@ -108,6 +108,13 @@ BENCHES: tuple[Bench, ...] = (
         args=("--workload", "agentic", "--seed", "0"),
         quick=(("--sessions", "300"), ("--no-plot", None)),
     ),
+    # RL rollout bursts generated from a seed: GRPO groups sent at once (no input file).
+    Bench(
+        "routing",
+        "bench/routing.py",
+        args=("--workload", "rollout", "--seed", "0"),
+        quick=(("--limit", "1536"), ("--no-plot", None)),
+    ),
 )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType, TracebackType
@@ -21,6 +22,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from motor_adapter.pending_hits import merge_pending, prompt_pending
 from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.scoring import Candidate, Decision, KvAffinityConfig, TierCounts, select
 
@@ -273,11 +275,16 @@ class KvAffinity:
 
     def hits_for_keys(self, keys: list[int]) -> Mapping[str, Mapping[int, TierCounts]]:
         """:meth:`query_keys` for read-only callers (the HTTP hot path): no copies, and an
-        instance with nothing cached is simply absent."""
+        instance with nothing cached is simply absent.  A rank prefilling or queuing the
+        prompt's prefix (its stream's rank-load message says so) counts as holding it
+        (motor_adapter/pending_hits.py)."""
         known = self._known  # one atomic read of an immutable tuple: no lock on the hot path
         if not known or not keys:
             return {}
-        return self.index.query_keys(keys, instances=known)
+        hits = self.index.query_keys(keys, instances=known)
+        if self.loads.pending:
+            return merge_pending(hits, self.loads, keys, time.monotonic())
+        return hits
 
     def best_for_keys(self, keys: list[int]) -> Mapping[str, tuple[int, TierCounts]] | None:
         """Per followed instance holding block 0, ``(engine rank, hit)`` of its best rank under
@@ -286,6 +293,8 @@ class KvAffinity:
         known = self._known
         if not known or not keys:
             return _NO_HITS  # one object: /query remembers its answer
+        if self.loads.pending and prompt_pending(self.loads, keys, time.monotonic()):
+            return None  # a rank is prefilling its prefix: fold hits_for_keys, which counts it
         return self.index.deepest_npu(keys, known)
 
     def select(

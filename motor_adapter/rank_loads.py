@@ -41,6 +41,8 @@ class InstanceLoads:
     dispatch: Mapping[str, int]
     period_s: float
     version: int  # increases with every report the book applies (any instance)
+    # Per rank: the block keys it is prefilling or has queued (wire.RankLoad.pending).
+    pending: tuple[frozenset[int], ...] = ()
 
     @property
     def dp_size(self) -> int:
@@ -90,14 +92,20 @@ class RankLoadBook:
         # Whether any instance has figures (fresh or stale), kept by the writers: without,
         # /query asks none.  An attribute: read once per query.
         self.figured = False
+        # Each instance's pending block keys per rank, while its last report had some
+        # (motor_adapter/pending_hits.py reads it per query: empty means nothing to merge).
+        self.pending: dict[str, tuple[float, tuple[frozenset[int], ...]]] = {}
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
         ranks = report.loads.ranks
         size = max((r.dp_rank for r in ranks), default=-1) + 1
         loads, requests, cached, prefill = [0.0] * size, [0] * size, [0] * size, [0] * size
+        pending: list[frozenset[int]] = [frozenset()] * size
         for r in ranks:
             loads[r.dp_rank] = max(0.0, float(r.load_tokens))
+            if r.pending:
+                pending[r.dp_rank] = frozenset(r.pending)
             requests[r.dp_rank] = r.requests
             cached[r.dp_rank] = r.cached_tokens_total
             prefill[r.dp_rank] = r.prefill_tokens_total
@@ -116,7 +124,12 @@ class RankLoadBook:
                 dict(report.loads.dispatch),
                 report.loads.period_s,
                 self._version,
+                tuple(pending),
             )
+            if any(pending):
+                self.pending[instance] = (received, tuple(pending))
+            else:
+                self.pending.pop(instance, None)
             # The new figures include what was committed before them: no commit carries over.
             self._live[instance] = LiveLoads(received, self._version, current)
             self.figured = True
@@ -188,6 +201,7 @@ class RankLoadBook:
         with self._write:
             self._by_instance.pop(instance, None)
             self._live.pop(instance, None)
+            self.pending.pop(instance, None)
             self.figured = bool(self._by_instance)
             self.changes += 1
 

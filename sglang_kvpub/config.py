@@ -69,6 +69,7 @@ PLUGIN_KEYS = (
     "full_policy",
     "rank_send",
     "dp_dispatch",
+    "dp_pending",
     "load_report_s",
     "folded_endpoint",
     "folded_replay_endpoint",
@@ -126,6 +127,9 @@ class PluginConfig:
     # production), "info" to read it beside SGLang's own lines, "off"; every Nth decision only.
     dispatch_log: DispatchLogName = "debug"
     dispatch_log_every: int = 1
+    # The dispatcher counts what a rank is prefilling or has queued as a future hit there
+    # (docs/dispatch.md, "Pending prefixes"): a burst of one prompt shares one prefill.
+    dp_pending: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -209,7 +213,7 @@ def _from_env(key: str, raw: str) -> Any:
         "folded_event_encoding",
     ):
         return text or None
-    if key == "rank_order":
+    if key in ("rank_order", "dp_pending"):
         if text.lower() in ("1", "true", "yes", "on"):
             return True
         if text.lower() in ("0", "false", "no", "off"):
@@ -354,6 +358,7 @@ _VALIDATORS: dict[str, Callable[[str, Any], None]] = {
     **{key: _cost for key in COST_KEYS},
     "dispatch_log": _choice(get_args(DispatchLogName)),
     "dispatch_log_every": _positive_int(1),
+    "dp_pending": _bool,
 }
 
 

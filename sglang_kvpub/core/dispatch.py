@@ -32,17 +32,19 @@ block, a hit little more than its depth; the fan-in applies events in chunks of 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
 
-from sglang_kvpub.core.hashing import BASE_SEED, lora_seed
+from sglang_kvpub.core.hashing import BASE_SEED, lora_seed, sequence_keys
 from sglang_kvpub.core.index import PrefixIndex
+from sglang_kvpub.core.pending import PendingPrefixes
 from sglang_kvpub.core.rank_cost import (
     DEFAULT_HOTSPOT_RELATIVE,
     DEFAULT_HOTSPOT_SPREAD,
@@ -50,6 +52,7 @@ from sglang_kvpub.core.rank_cost import (
     score_ranks,
     spread_key,
     spread_start,
+    with_pending,
 )
 from sglang_kvpub.wire import AllBlocksCleared, BlockStored, Event, EventBatch
 
@@ -113,6 +116,7 @@ class DispatchDecision(NamedTuple):
     disk_blocks: int = 0
     load: float | None = None
     cost: float | None = None
+    pending_tokens: int = 0  # of matched_tokens, those the rank is still prefilling (pending prefixes)
 
     def log_line(self) -> str:
         """Motor's ``scheduled`` line shape, logged by the controller at info level per request."""
@@ -180,6 +184,7 @@ class CacheAwareDispatcher:
         instance: str = LOCAL_INSTANCE,
         capacity_blocks: int | None = 2_000_000,
         observe_chunk_blocks: int = 64,
+        pending: PendingPrefixes | bool = False,
     ) -> None:
         if dp_size <= 0:
             raise ValueError(f"dp_size must be positive, got {dp_size}")
@@ -212,6 +217,11 @@ class CacheAwareDispatcher:
         self.instance = instance
         self.observe_chunk_blocks = max(1, observe_chunk_blocks)
         self.inflight = InflightLoad(dp_size)
+        # What each rank is prefilling or has queued (docs/dispatch.md, "Pending prefixes").
+        self.pending: PendingPrefixes | None = (
+            pending if isinstance(pending, PendingPrefixes) else PendingPrefixes(dp_size) if pending else None
+        )
+        self._anonymous = itertools.count()  # ids of requests chosen without one
         # Per rank: (wall time, tokens) committed since SGLang's last load snapshot of it.
         self.commits: list[list[tuple[float, float]]] = [[] for _ in range(dp_size)]
         self._rank_list = list(range(dp_size))  # never handed out for mutation
@@ -236,6 +246,9 @@ class CacheAwareDispatcher:
                     chunk, blocks = [], 0
         if chunk:
             self.index.apply_batch(self.instance, EventBatch(batch.ts, chunk, rank), rank)
+        pending = self.pending
+        if pending is not None and not pending.empty((rank,)):
+            pending.settle(rank, lambda key: rank in self.index.longest_prefixes(self.instance, (key,)))
 
     def _pieces(self, event: Event) -> Iterable[Event]:
         """A merged store longer than a chunk, split into parent-linked stores."""
@@ -259,8 +272,15 @@ class CacheAwareDispatcher:
         return pieces
 
     def rank_restarted(self, dp_rank: int) -> None:
-        """The rank's cache is gone (new rank epoch): forget what it held."""
+        """The rank's cache is gone (new rank epoch): forget what it held and was prefilling."""
         self.index.clear_rank(self.instance, dp_rank)
+        if self.pending is not None:
+            self.pending.clear_rank(dp_rank)
+
+    def request_ended(self, rid: Hashable) -> bool:
+        """The engine ended request ``rid`` before its pages were published (an abort): its
+        prefix is no longer pending.  False when it was not."""
+        return self.pending.drop(rid) if self.pending is not None else False
 
     # ------------------------------------------------------------------ decisions
 
@@ -272,15 +292,46 @@ class CacheAwareDispatcher:
         candidates: Sequence[int] | None = None,
         lora_name: str | None = None,
         spread: int | None = None,
+        rid: Hashable | None = None,
     ) -> DispatchDecision:
         """The rank for a prompt given per-rank ``loads`` (indexed by rank; any unit, the
         same as the prefill cost's - SGLang's token counts by default).  ``candidates``:
         the ranks allowed (default all with a load figure).  ``spread``: the prompt's
         tie-break key (:func:`~sglang_kvpub.core.rank_cost.spread_key`, computed when not
-        given).  Counted per reason."""
-        decision = self._decide(token_ids, loads, candidates, lora_name, spread)
+        given).  ``rid``: the request's id, under which its prefix is pending on the chosen
+        rank until that rank publishes it (:meth:`request_ended` drops it).  Counted per reason."""
+        decision, keys = self._decide(token_ids, loads, candidates, lora_name, spread)
         self.count(decision.reason, decision.matched_tokens)
+        pending = self.pending
+        if pending is not None and decision.rank is not None and decision.isl >= self.block_size:
+            self._note_pending(pending, decision.rank, decision, keys, token_ids, lora_name, rid)
         return decision
+
+    def _note_pending(
+        self,
+        pending: PendingPrefixes,
+        rank: int,
+        decision: DispatchDecision,
+        keys: list[int] | None,
+        token_ids: Sequence[int],
+        lora_name: str | None,
+        rid: Hashable | None,
+    ) -> None:
+        """The chosen rank will hold the prompt's blocks once it has prefilled them: pending
+        there, unless it holds (or is already prefilling) them all."""
+        blocks = decision.isl // self.block_size
+        held = decision.npu_blocks + decision.cpu_blocks + decision.disk_blocks
+        if decision.pending_tokens and keys is not None:
+            # It waits for a prefill already there: the engine counts it in the rank's load as
+            # if it computed those tokens, the rank will not (PendingPrefixes.waits).
+            pending.ride(rank, keys, decision.npu_blocks, decision.pending_tokens)
+        if held >= blocks:
+            return
+        if keys is None:
+            keys = sequence_keys(token_ids, self.block_size, lora_name)
+        if pending.depths(keys, (rank,)).get(rank, 0) >= blocks:
+            return
+        pending.add(next(self._anonymous) if rid is None else rid, rank, keys)
 
     def count(self, reason: str, matched_tokens: int = 0) -> None:
         with self._stats_lock:
@@ -294,14 +345,24 @@ class CacheAwareDispatcher:
         candidates: Sequence[int] | None,
         lora_name: str | None,
         spread: int | None = None,
-    ) -> DispatchDecision:
+    ) -> tuple[DispatchDecision, list[int] | None]:
+        """The decision, and the prompt's block keys when pending prefixes needed them."""
         isl = len(token_ids)
         ranks = self._ranks(candidates, len(loads))
         if not ranks:
-            return DispatchDecision(None, REASON_NO_CANDIDATES, isl)
+            return DispatchDecision(None, REASON_NO_CANDIDATES, isl), None
         short = isl < self.block_size
         # A prompt shorter than one block holds no block anywhere: the least loaded rank.
-        hits = {} if short else self._hits(token_ids, lora_name)
+        hits = cached = {} if short else self._hits(token_ids, lora_name)
+        keys = None
+        pending = self.pending
+        if pending is not None and pending.credited():
+            loads = pending.waits(loads)  # riders are not the rank's work (PendingPrefixes.waits)
+        if not short and pending is not None and not pending.empty(ranks):
+            keys = sequence_keys(token_ids, self.block_size, lora_name)
+            ahead = pending.depths(keys, ranks)
+            if ahead:
+                hits = with_pending(hits, ahead, self.params)
         # Equal costs go to the first rank from a start the prompt fixes (the adapter computes
         # the same), so distinct cold prompts spread over the ranks and both halves agree.
         key = spread_key(token_ids, self.block_size) if spread is None else spread
@@ -310,7 +371,12 @@ class CacheAwareDispatcher:
         )
         npu, cpu, disk = hits.get(best, _NO_HIT)
         why = REASON_SHORT_PROMPT if short and reason != 2 else _SCORE_REASONS[reason]
-        return DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost))
+        ahead_tokens = 0
+        if hits is not cached and matched:
+            held = cached.get(best)
+            ahead_tokens = max(0, matched - (self.params.matched(held, isl) if held is not None else 0))
+        decision = DispatchDecision(best, why, isl, matched, npu, cpu, disk, float(load), float(cost), ahead_tokens)
+        return decision, keys
 
     def _ranks(self, candidates: Sequence[int] | None, size: int) -> list[int]:
         """The candidate ranks with a load figure (the caller's list when all have one)."""

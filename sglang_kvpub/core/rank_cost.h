@@ -5,7 +5,7 @@
  *   matched = min(round((npu*w_npu + cpu*w_cpu + disk*w_disk) * block_size), isl)
  *   cost    = prefill_scale * max(0, isl - overlap_credit * matched) + load_weight * load
  *
- * tests/test_rank_cost_native.py checks both agree on random inputs. */
+ * tests/engine/test_rank_cost_native.py checks both agree on random inputs. */
 #ifndef KVPUB_RANK_COST_H
 #define KVPUB_RANK_COST_H
 

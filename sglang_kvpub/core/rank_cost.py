@@ -43,6 +43,7 @@ __all__ = [
     "spread_key",
     "spread_key_of_local",
     "spread_start",
+    "with_pending",
 ]
 
 # The hot-spot guard is off by default: with load_weight 1 the cost already bounds a pile-up (a
@@ -107,6 +108,23 @@ def spread_key(token_ids: Sequence[int], block_size: int) -> int:
 def spread_start(key: int, candidates: int) -> int:
     """Where the scan over ``candidates`` ranks starts: equal costs go to the first from there."""
     return key % candidates if candidates > 0 else 0
+
+
+def with_pending(hits: Mapping[int, Hit], pending: Mapping[int, int], params: CostParams) -> dict[int, Hit]:
+    """``hits`` with each rank's pending prefix (``pending``: rank -> leading blocks of the
+    prompt the rank is prefilling or has queued, :mod:`sglang_kvpub.core.pending`) counted as
+    held on the device where it is longer than what the rank holds: pages being prefilled
+    are a hit once the prefill ends, and the wait until then is in the rank's load (the
+    pending prompt is queued or running there).  The cost itself is unchanged."""
+    merged = dict(hits)
+    for rank, blocks in pending.items():
+        cached = merged.get(rank)
+        if (
+            cached is None
+            or blocks * params.w_npu > cached[0] * params.w_npu + cached[1] * params.w_cpu + cached[2] * params.w_disk
+        ):
+            merged[rank] = (blocks, 0, 0)
+    return merged
 
 
 def score_ranks(

@@ -52,6 +52,9 @@ DISPATCH_TARGETS = (
     f"{_DPC}.total_requests_scheduler",
     f"{_DPC}.total_tokens_scheduler",
 )
+# Control messages (aborts among them) go to every rank through this method: an abort ends a
+# pending prefix (core/pending.py).
+ABORT_TARGET = f"{_DPC}.send_control_message"
 CONTROLLER_ATTR = "kvpub_dispatcher"
 LOG_ATTR = "kvpub_dispatch_log"
 SNAPSHOT_STALE_S = 2.0  # SGLang load snapshots older than this: use our in-flight estimate
@@ -157,6 +160,7 @@ def install_dispatch_hook(registry: Any = None, hook_type: Any = None, *, apply:
         if not _installed:
             for target in DISPATCH_TARGETS:
                 registry.register(target, _dispatch_hook, hook_type.AROUND)
+            registry.register(ABORT_TARGET, _control_hook, hook_type.AROUND)
             _installed = True
     if apply:
         registry.apply_hooks()
@@ -231,6 +235,29 @@ def _dispatch_hook(original: Callable[..., Any], self: Any, req: Any, *args: Any
     return None
 
 
+_abort_log = RateLimitedLog(log, interval_s=None)
+abort_failures = 0  # aborts whose pending prefix could not be dropped (contained, logged once)
+
+
+def _control_hook(original: Callable[..., Any], self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook of the controller's control-message broadcast: SGLang's send first, then an
+    abort (``AbortReq``) drops the request's pending prefix.  Never raises into SGLang."""
+    result = original(self, obj, *args, **kwargs)
+    dispatcher: CacheAwareDispatcher | None = getattr(self, CONTROLLER_ATTR, None)
+    if dispatcher is None or dispatcher.pending is None or type(obj).__name__ != "AbortReq":
+        return result
+    try:
+        if getattr(obj, "abort_all", False):
+            dispatcher.pending.clear("aborted")
+        else:
+            dispatcher.request_ended(obj.rid)
+    except Exception as exc:  # contained: the entry expires (ttl) instead
+        global abort_failures
+        abort_failures += 1
+        _abort_log.warning("abort", "kvpub dispatch: an abort's pending prefix not dropped (%r)", exc)
+    return result
+
+
 def _sock_send(controller: Any) -> Callable[[Any, Any], None]:
     # The controller module's own binding (patched copies included), looked up per call.
     send: Callable[[Any, Any], None] = sys.modules[type(controller).__module__].sock_send
@@ -244,12 +271,16 @@ def _choose_rank(controller: Any, dispatcher: CacheAwareDispatcher, req: Any) ->
         return None
     loads, budget = _controller_loads(controller, dispatcher)
     candidates = [r for r in controller._active_workers if controller.status[r] and controller.workers[r] is not None]
-    decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=getattr(req, "lora_name", None))
+    lora, rid = getattr(req, "lora_name", None), getattr(req, "rid", None)
+    decision = dispatcher.choose(token_ids, loads, candidates=candidates, lora_name=lora, rid=rid)
     # one line per request, in the controller process (not a scheduler), as the plugin config says
     getattr(controller, LOG_ATTR, _DEFAULT_LOG)(decision, getattr(req, "rid", None))
     rank = decision.rank
     if rank is not None:
-        committed = max(0, decision.isl - decision.matched_tokens)  # Motor commits isl - matched
+        # Motor commits isl - matched; a request waiting for a prefill on the rank (pending
+        # prefix) as the engine will count it: its pending part too, which the dispatcher's
+        # rider credit takes off again (core/pending.py, PendingPrefixes.waits).
+        committed = max(0, decision.isl - decision.matched_tokens + decision.pending_tokens)
         dispatcher.inflight.add(rank, committed)
         if rank < len(dispatcher.commits):
             dispatcher.commits[rank].append((time.time(), float(committed)))

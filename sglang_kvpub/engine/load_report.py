@@ -8,7 +8,10 @@ reader (the controller's reader is the controller thread's) and reports per rank
 
 * ``load_tokens`` - what the cache-aware dispatcher costs the rank with: SGLang's
   ``num_total_tokens`` plus the dispatcher's commits made after that snapshot, decaying
-  (``dispatch_hook._with_commits``' figure, read without touching the controller's state);
+  (``dispatch_hook._with_commits``' figure, read without touching the controller's state),
+  less the requests waiting there for a pending prefix (``PendingPrefixes.waits``);
+* ``pending`` - the block keys the rank is prefilling or has queued (``PendingPrefixes.keys_of``,
+  at most ``wire.MAX_PENDING_KEYS``);
 * ``requests`` - running plus waiting;
 * ``prefill_tokens_total`` - SGLang's cumulative uncached prefill tokens;
 * ``cached_tokens_total`` - prompt tokens served from the rank's cache, accumulated from
@@ -28,7 +31,7 @@ import time
 from typing import Any
 
 from sglang_kvpub.core.dispatch import CacheAwareDispatcher
-from sglang_kvpub.wire import RankLoad, RankLoads
+from sglang_kvpub.wire import MAX_PENDING_KEYS, RankLoad, RankLoads
 
 __all__ = ["ControllerLoads", "attach_load_reports"]
 
@@ -56,6 +59,7 @@ class ControllerLoads:
         dispatcher = self._dispatcher
         now = time.time()
         ranks = []
+        pending = getattr(dispatcher, "pending", None)  # None: a dispatcher without pending prefixes
         for rank in sorted(snapshots):
             snap = snapshots[rank]
             load = float(snap.num_total_tokens)
@@ -63,6 +67,10 @@ class ControllerLoads:
                 for at, tokens in list(dispatcher.commits[rank]):  # a copy: the controller thread appends
                     if at > snap.timestamp:
                         load += tokens * math.exp(-_COMMIT_RATE * (now - at))
+            keys: list[int] = []
+            if pending is not None and rank < pending.dp_size:
+                load = max(0.0, load - pending.credit[rank])
+                keys = pending.keys_of(rank, MAX_PENDING_KEYS)
             ranks.append(
                 RankLoad(
                     rank,
@@ -70,6 +78,7 @@ class ControllerLoads:
                     int(snap.num_running_reqs + snap.num_waiting_reqs),
                     self._count_cached(rank, snap),
                     int(snap.total_prefill_uncached_tokens),
+                    keys,
                 )
             )
         decisions = dispatcher.decision_counts() if dispatcher is not None else {}

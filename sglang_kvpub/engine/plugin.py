@@ -497,6 +497,7 @@ def _attach_dispatch(controller: Any, server_args: Any, topology: Any, fanin: An
             block_size=topology.block_size,
             fanin=fanin,
             decision_log=DecisionLog(config.dispatch_log, config.dispatch_log_every),
+            pending=config.dp_pending,
             **config.cost(),
         )
         log.info("sglang_kvpub: %s", plan.line())

@@ -15,7 +15,7 @@ import math
 
 import msgspec
 
-from sglang_kvpub.wire.contract import LOAD_REPORT_PREFIX, MAX_LOAD_RANKS, LoadReport, RankLoads, WireError
+from sglang_kvpub.wire.contract import LOAD_REPORT_PREFIX, MAX_LOAD_RANKS, MAX_PENDING_KEYS, LoadReport, RankLoads, WireError
 from sglang_kvpub.wire.decode import BatchDecoder, DecodeLimits, DecodeStats
 from sglang_kvpub.wire.encode import BatchEncoder, adopt_batch, enrich_batch, split_stored
 from sglang_kvpub.wire.hashes import hash_from_wire, to_i64, to_u64
@@ -69,6 +69,7 @@ class LoadReportCodec:
         if report.events or len(ranks) > MAX_LOAD_RANKS or len(report.loads.dispatch) > 64:
             raise WireError("bad load report", f"{len(report.events)} events, {len(ranks)} ranks")
         for rank in ranks:
-            if not 0 <= rank.dp_rank < MAX_LOAD_RANKS or not math.isfinite(rank.load_tokens):
+            bad = len(rank.pending) > MAX_PENDING_KEYS
+            if bad or not 0 <= rank.dp_rank < MAX_LOAD_RANKS or not math.isfinite(rank.load_tokens):
                 raise WireError("bad load report", f"rank {rank.dp_rank} load {rank.load_tokens}")
         return report

@@ -44,6 +44,7 @@ __all__ = [
     "LoadReport",
     "LOAD_REPORT_PREFIX",
     "MAX_LOAD_RANKS",
+    "MAX_PENDING_KEYS",
     "WireError",
     "HashForm",
     "EventEncoding",
@@ -162,19 +163,24 @@ class RankOrder(msgspec.Struct, tag=True, gc=False):
 
 
 class RankLoad(msgspec.Struct, array_like=True, gc=False):
-    """One rank's figures: ``[dp_rank, load_tokens, requests, cached_tokens_total, prefill_tokens_total]``.
+    """One rank's figures: ``[dp_rank, load_tokens, requests, cached_tokens_total, prefill_tokens_total, pending]``.
 
     ``load_tokens``: what the instance's dispatcher costs the rank with (SGLang's
     ``num_total_tokens`` - KV tokens in use plus queued tokens - plus the dispatcher's own
     commits since the rank's last snapshot).  ``requests``: running plus waiting.  The two
     totals count from the rank's start: prompt tokens it served from its cache, and prompt
-    tokens it computed (SGLang's ``total_prefill_uncached_tokens``)."""
+    tokens it computed (SGLang's ``total_prefill_uncached_tokens``).  ``pending``: the block
+    keys (the router's chained keys) of the prefixes the rank is prefilling or has queued, at
+    most :data:`MAX_PENDING_KEYS` - a later prompt sharing them will find them cached there
+    once those prefills end (docs/dispatch.md, "Pending prefixes"); readers that predate it
+    ignore the trailing element."""
 
     dp_rank: int
     load_tokens: float
     requests: int = 0
     cached_tokens_total: int = 0
     prefill_tokens_total: int = 0
+    pending: list[int] = []
 
 
 class RankLoads(msgspec.Struct, tag=True, gc=False):
@@ -201,6 +207,7 @@ class LoadReport(msgspec.Struct, array_like=True, gc=False):
 RANK_ORDER_INDEX = 4  # the batch array's element that holds a RankOrder
 LOAD_REPORT_PREFIX = b"\x94"  # msgpack fixarray of 4: the only payload shape a load report has
 MAX_LOAD_RANKS = 4096  # bounds what a consumer keeps per instance
+MAX_PENDING_KEYS = 1024  # pending block keys per rank in one report (16 ranks: ~150 KB at most)
 
 
 # --------------------------------------------------------------------------- frames
