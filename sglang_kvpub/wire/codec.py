@@ -15,7 +15,14 @@ import math
 
 import msgspec
 
-from sglang_kvpub.wire.contract import LOAD_REPORT_PREFIX, MAX_LOAD_RANKS, MAX_PENDING_KEYS, LoadReport, RankLoads, WireError
+from sglang_kvpub.wire.contract import (
+    LOAD_REPORT_PREFIX,
+    MAX_LOAD_RANKS,
+    MAX_PENDING_KEYS,
+    LoadReport,
+    RankLoads,
+    WireError,
+)
 from sglang_kvpub.wire.decode import BatchDecoder, DecodeLimits, DecodeStats
 from sglang_kvpub.wire.encode import BatchEncoder, adopt_batch, enrich_batch, split_stored
 from sglang_kvpub.wire.hashes import hash_from_wire, to_i64, to_u64
