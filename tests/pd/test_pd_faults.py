@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.pd, pytest.mark.timeout(1800)]
 PAGE = 128
 WORDS = 300
 REGISTER_TIMEOUT_S = 600  # longer than any request here takes: the silent address fails when closed
+MAX_PENDING = 2  # the registrations' queue, small enough for a test to fill it
 WRONG_HOST = "127.0.0.3"  # another loopback address, where no prefill runs
 SOAK_S = 60  # CI's soak; the bench's slow run is 600 s and more
 
@@ -58,7 +59,10 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     spec = pd_load.soak_spec(
         work,
         model,
-        prefill_env={"SGLANG_KVPUB_PD_REGISTER_TIMEOUT_S": str(REGISTER_TIMEOUT_S)},
+        prefill_env={
+            "SGLANG_KVPUB_PD_REGISTER_TIMEOUT_S": str(REGISTER_TIMEOUT_S),
+            "SGLANG_KVPUB_PD_REGISTER_MAX_PENDING": str(MAX_PENDING),
+        },
         adapter_registry=f"file:{work / 'registrations.json'}",  # what an operator runs: kept across a restart
     )
     with pd_rig.PdRig(spec) as pd:
@@ -190,6 +194,52 @@ def test_a_silent_bootstrap_address_stalls_no_other_request_and_fails_its_own(ri
         bad=(bad.status, bad.body[:200]),
         gone=(again.status, again.body[:120]),
         registrations=_registration_stats(pd.prefills[0])[-1],
+    )
+
+
+def test_a_registration_refused_at_the_right_bootstrap_server_fails_both_halves(rig: Rig) -> None:
+    """The registrations' queue is full (a silent address holds it), the request names the
+    right bootstrap server: its prefill half fails at once with the cause, and its decode
+    half - which finds its rank through that server - fails too instead of waiting for its
+    client, both while the silent address's requests still wait."""
+    pd = rig.pd
+    host = pd.prefills[0].spec.host
+    with silent_bootstrap(WRONG_HOST, pd.bootstrap_port) as accepted:
+        first, _ = _send(rig, 0, _pd_body(rig, e2e_rig.prompt_text(4750, 20), WRONG_HOST, 0), to_decode=False)
+        assert accepted.wait(600), "the prefill never tried to register the first bad request's rank"
+        # MAX_PENDING wait behind it; one more is refused: the queue is then full.
+        fill = [
+            _send(rig, 0, _pd_body(rig, e2e_rig.prompt_text(4751 + n, 20), WRONG_HOST, 0), to_decode=False)[0]
+            for n in range(MAX_PENDING + 1)
+        ]
+        pd.wait_for(lambda: any(a.done.is_set() for a in fill), "one request refused by the full queue", 600)
+        refused = [a for a in fill if a.done.is_set()]
+        assert len(refused) == 1 and "queue_full" in refused[0].body, [(a.status, a.body[:200]) for a in refused]
+        waiting = [a for a in fill if not a.done.is_set()]
+        # The request with the right bootstrap server, both halves.
+        prefill_half, decode_half = _send(
+            rig, 0, _pd_body(rig, e2e_rig.prompt_text(4760, WORDS), host, 0), to_decode=True
+        )
+        assert decode_half is not None
+        assert prefill_half.done.wait(600) and decode_half.done.wait(600)
+        # Both answered while the silent address's requests still wait: neither waited on them.
+        assert not first.done.is_set() and not any(a.done.is_set() for a in waiting)
+    assert prefill_half.status != 200 and "queue_full" in prefill_half.body, prefill_half.body
+    assert decode_half.status != 200, decode_half.body
+    assert "Decode handshake failed" in decode_half.body and "prefill_dp_rank: -2" in decode_half.body, decode_half.body
+    # The silent address gone: its requests end with the cause.
+    for answer in (first, *waiting):
+        assert answer.done.wait(600) and answer.status != 200, answer.body
+    stats = _registration_stats(pd.prefills[0])[-1]
+    assert stats["decode_told"] >= 1, stats
+    # The prefill and the decode still serve, through Motor.
+    done = pd.complete(e2e_rig.prompt_text(4761, WORDS))
+    assert done.status == 200 and done.completion_tokens > 0, (done.status, done.body)
+    _outcome(
+        "registration refused (queue full) at the right bootstrap server",
+        prefill=(prefill_half.status, _from(prefill_half.body, "sglang_kvpub:", 200)),
+        decode=(decode_half.status, _from(decode_half.body, "Could not fetch", 120)),
+        registrations=stats,
     )
 
 
@@ -406,6 +456,12 @@ def test_a_prefill_rank_killed_with_requests_in_flight(rig: Rig) -> None:
     # The restarted instance holds nothing it held before, and the adapter says so too.
     _truthful(rig, [lost])
     _no_plugin_failure(rig)
+
+
+def _from(body: str, marker: str, length: int) -> str:
+    """The part of an error body that names the cause."""
+    at = body.find(marker)
+    return body[at : at + length] if at >= 0 else body[:length]
 
 
 def _outcome(fault: str, **fields: Any) -> None:
