@@ -17,7 +17,11 @@ no polling, nothing runs while every scheduler lives).  When one ends:
 - every request the dispatch hook sent to that rank that may still be in flight (the last
   :data:`MAX_TRACKED` per rank) is ended through SGLang's own path: an ``AbortReq`` with
   HTTP status 503 and the cause, sent to the tokenizer manager's socket as a scheduler sends
-  one (the tokenizer manager ignores the ids of requests that already finished);
+  one (the tokenizer manager ignores the ids of requests that already finished); a PD
+  prefill request's room is registered with the bootstrap server as failed
+  (``pd_register.FAILED_RANK``), which ends its decode half if that still asks for the
+  room's rank (a decode that already has the rank waits for the KV until SGLang's
+  ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``);
 - logged once per rank (ERROR), counted (:meth:`RankWatch.stats`).
 
 SGLang's health checks still go to every rank it launched: ``/health`` then fails when it
@@ -31,7 +35,7 @@ import json
 import logging
 import re
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["WATCH_ATTR", "MAX_TRACKED", "RankWatch", "active", "ended_here", "sent", "attach_rank_watch"]
 
@@ -45,11 +49,19 @@ DPC_MODULE = "sglang.srt.managers.data_parallel_controller"
 class RankWatch:
     """Scheduler liveness per DP rank, and what was sent to each."""
 
-    def __init__(self, procs: dict[int, list[Any]], send_abort: Any, *, max_tracked: int = MAX_TRACKED) -> None:
+    def __init__(
+        self,
+        procs: dict[int, list[Any]],
+        send_abort: Any,
+        *,
+        max_tracked: int = MAX_TRACKED,
+        bootstrap_port: int | None = None,
+    ) -> None:
         self.procs = procs  # dp rank -> its scheduler processes (multiprocessing.Process)
+        self.bootstrap_port = bootstrap_port  # a PD prefill's; None elsewhere
         self._send_abort = send_abort  # (rid, http_worker_ipc, message) -> None
         self._lock = threading.Lock()
-        self._sent: dict[int, collections.OrderedDict[str, Any]] = {r: collections.OrderedDict() for r in procs}
+        self._sent: dict[int, collections.OrderedDict[str, _Sent]] = {r: collections.OrderedDict() for r in procs}
         self.max_tracked = max_tracked
         self.dead: dict[int, str] = {}  # rank -> cause
         self._applied: set[int] = set()
@@ -64,13 +76,16 @@ class RankWatch:
         rid = getattr(req, "rid", None)
         if rid is None:
             return
+        entry = _Sent(getattr(req, "http_worker_ipc", None), _pd_room(req, self.bootstrap_port))
         with self._lock:
+            late = rank in self.dead  # died between this request's check and its send
             tracked = self._sent.get(rank)
-            if tracked is None:
-                return
-            tracked[rid] = getattr(req, "http_worker_ipc", None)
-            if len(tracked) > self.max_tracked:
-                tracked.popitem(last=False)
+            if tracked is not None and not late:
+                tracked[rid] = entry
+                if len(tracked) > self.max_tracked:
+                    tracked.popitem(last=False)
+        if late:
+            self._end([(rid, entry)], self._message(rank))
 
     def before_dispatch(self, controller: Any, req: Any) -> bool:
         """On the controller's thread, before a request is routed: applies deaths to SGLang's
@@ -105,7 +120,7 @@ class RankWatch:
         while by_sentinel:
             for sentinel in wait(list(by_sentinel)):
                 rank, proc = by_sentinel.pop(sentinel)
-                proc.join(0)
+                proc.join(5.0)  # its sentinel fired: the exit status follows at once
                 self.rank_died(rank, f"its scheduler process {proc.pid} exited with code {proc.exitcode}")
 
     def rank_died(self, rank: int, cause: str) -> None:
@@ -115,16 +130,7 @@ class RankWatch:
             self.dead[rank] = cause
             in_flight = list(self._sent.get(rank, {}).items())
             self._sent[rank] = collections.OrderedDict()
-        message = self._message(rank)
-        ended = 0
-        for rid, route in in_flight:
-            try:
-                self._send_abort(rid, route, message)
-                ended += 1
-            except Exception as exc:  # never let the watch thread die on one request
-                log.warning("sglang_kvpub: ending request %s of dead DP rank %d: %r", rid, rank, exc)
-        with self._lock:
-            self.aborted_in_flight += ended
+        ended = self._end(in_flight, self._message(rank))
         log.error(
             "sglang_kvpub: DP rank %d is dead (%s): no more requests are dispatched to it, and the "
             "%d requests sent to it that may still be in flight were ended with HTTP 503 (logged once "
@@ -135,6 +141,25 @@ class RankWatch:
             len(self.procs),
             json.dumps(self.stats(), sort_keys=True),
         )
+
+    def _end(self, requests: list[tuple[str, _Sent]], message: str) -> int:
+        """Ends each request (its client gets a 503 with ``message``) and, for a PD prefill
+        request, registers its room with ``FAILED_RANK`` so that a decode still asking for
+        the room's rank fails it too (pd_register.py)."""
+        ended = 0
+        for rid, sent in requests:
+            try:
+                self._send_abort(rid, sent.route, message)
+                ended += 1
+                if sent.room is not None:
+                    from sglang_kvpub.engine.pd_register import FAILED_RANK, registrar
+
+                    registrar().submit(sent.room[0], sent.room[1], FAILED_RANK, _ignore)
+            except Exception as exc:  # never let the watch thread die on one request
+                log.warning("sglang_kvpub: ending request %s of a dead DP rank: %r", rid, exc)
+        with self._lock:
+            self.aborted_in_flight += ended
+        return ended
 
     def _message(self, rank: int) -> str:
         return (
@@ -150,6 +175,24 @@ class RankWatch:
                 "aborted_in_flight": self.aborted_in_flight,
                 "refused": self.refused,
             }
+
+
+class _Sent(NamedTuple):
+    route: Any  # the request's http_worker_ipc (its tokenizer worker), if any
+    room: tuple[str, int] | None  # PD: (bootstrap host:port, bootstrap room)
+
+
+def _pd_room(req: Any, bootstrap_port: Any) -> tuple[str, int] | None:
+    """A PD request's bootstrap address as the prefill's sender forms it (the request's host,
+    this server's bootstrap port) and its room; None for any other request."""
+    host, room = getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_room", None)
+    if host is None or bootstrap_port is None or not isinstance(room, int):
+        return None
+    return f"{host}:{bootstrap_port}", room
+
+
+def _ignore(message: str) -> None:
+    pass  # the request was ended already; the registrar counts and logs the failure
 
 
 # --------------------------------------------------------------------------- the dispatch hook's calls
@@ -234,6 +277,19 @@ def _abort_sender(controller: Any) -> Any:
     return send
 
 
+def _prefill_bootstrap_port() -> int | None:
+    """This server's bootstrap port if it is a PD prefill (SGLang 0.5.23's config bag)."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        disagg = get_disagg()
+        if disagg.disaggregation_mode != "prefill":
+            return None
+        return int(disagg.disaggregation_bootstrap_port)
+    except Exception:  # another SGLang: no PD notice, the rest of the watch works
+        return None
+
+
 def attach_rank_watch(controller: Any) -> RankWatch | None:
     """Starts the watch on a constructed controller's schedulers (None: nothing to watch,
     e.g. schedulers launched by another process)."""
@@ -241,7 +297,7 @@ def attach_rank_watch(controller: Any) -> RankWatch | None:
     if not procs:
         log.info("sglang_kvpub: no scheduler processes of this controller to watch; a dead rank goes unnoticed")
         return None
-    watch = RankWatch(procs, _abort_sender(controller))
+    watch = RankWatch(procs, _abort_sender(controller), bootstrap_port=_prefill_bootstrap_port())
     setattr(controller, WATCH_ATTR, watch)
     watch.start()
     log.info("sglang_kvpub: watching the schedulers of DP ranks %s", sorted(procs))

@@ -132,3 +132,53 @@ def test_no_processes_to_watch_is_said_and_nothing_attached() -> None:
     controller = _Controller(scheduler_procs=[], status=[True])
     assert rank_watch.attach_rank_watch(controller) is None
     assert rank_watch.active(controller) is None
+
+
+def test_a_request_sent_as_its_rank_dies_is_ended_too(rig: tuple[_Controller, Any]) -> None:
+    """The controller checked the rank, the rank died, the request went out: ended on record."""
+    controller, _ = rig
+    ended: list[str] = []
+    watch = rank_watch.RankWatch({0: [controller.scheduler_procs[0]]}, lambda rid, route, msg: ended.append(rid))
+    watch.rank_died(0, "test")
+    watch.sent(0, _req("late"))
+    assert ended == ["late"] and watch.stats()["aborted_in_flight"] == 1
+
+
+def test_a_pd_request_of_a_dead_rank_has_its_room_registered_as_failed(rig: tuple[_Controller, Any]) -> None:
+    """Its decode, if it still asks the bootstrap server for the room's rank, gets FAILED_RANK."""
+    import http.server
+    import json
+
+    from sglang_kvpub.engine.pd_register import FAILED_RANK
+
+    rooms: dict[int, int] = {}
+    arrived = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            data = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            rooms[int(data["bootstrap_room"])] = int(data["dp_rank"])
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"OK")
+            arrived.set()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        controller, _ = rig
+        watch = rank_watch.RankWatch(
+            {0: [controller.scheduler_procs[0]]}, lambda *a: None, bootstrap_port=server.server_address[1]
+        )
+        req = types.SimpleNamespace(rid="pd", http_worker_ipc=None, bootstrap_host="127.0.0.1", bootstrap_room=77)
+        watch.sent(0, req)
+        watch.rank_died(0, "test")
+        assert arrived.wait(60)
+        assert rooms == {77: FAILED_RANK}
+    finally:
+        server.shutdown()
+        server.server_close()
