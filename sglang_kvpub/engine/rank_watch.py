@@ -22,6 +22,8 @@ no polling, nothing runs while every scheduler lives).  When one ends:
   (``pd_register.FAILED_RANK``), which ends its decode half if that still asks for the
   room's rank (a decode that already has the rank waits for the KV until SGLang's
   ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT``);
+- the rank's blocks are cleared on the instance stream (``AllBlocksCleared`` under a new rank
+  epoch, as for a restarted rank): the router stops scoring a cache that is gone;
 - logged once per rank (ERROR), counted (:meth:`RankWatch.stats`).
 
 SGLang's health checks still go to every rank it launched: ``/health`` then fails when it
@@ -56,7 +58,9 @@ class RankWatch:
         *,
         max_tracked: int = MAX_TRACKED,
         bootstrap_port: int | None = None,
+        on_dead: Any = None,
     ) -> None:
+        self._on_dead = on_dead  # (rank) -> None: the instance stream clears the rank
         self.procs = procs  # dp rank -> its scheduler processes (multiprocessing.Process)
         self.bootstrap_port = bootstrap_port  # a PD prefill's; None elsewhere
         self._send_abort = send_abort  # (rid, http_worker_ipc, message) -> None
@@ -131,6 +135,11 @@ class RankWatch:
             in_flight = list(self._sent.get(rank, {}).items())
             self._sent[rank] = collections.OrderedDict()
         ended = self._end(in_flight, self._message(rank))
+        if self._on_dead is not None:
+            try:
+                self._on_dead(rank)
+            except Exception as exc:
+                log.warning("sglang_kvpub: clearing dead DP rank %d on the instance stream: %r", rank, exc)
         log.error(
             "sglang_kvpub: DP rank %d is dead (%s): no more requests are dispatched to it, and the "
             "%d requests sent to it that may still be in flight were ended with HTTP 503 (logged once "
@@ -277,6 +286,26 @@ def _abort_sender(controller: Any) -> Any:
     return send
 
 
+def _stream_clear(fanin: Any) -> Any:
+    """The dead rank's blocks cleared on the instance stream: its cache is gone with it.  Fed
+    to the fan-in as a new rank epoch whose one batch is ``AllBlocksCleared`` - what the
+    fan-in does for a restarted rank - so the router (and the cache-aware dispatch) drops
+    the rank's blocks now, not when the instance restarts."""
+    if fanin is None:
+        return None
+
+    def clear(rank: int) -> None:
+        import secrets
+        import time
+
+        from sglang_kvpub.wire import AllBlocksCleared, EventBatch
+
+        batch = EventBatch(ts=time.time(), events=[AllBlocksCleared()], dp_rank=rank)
+        fanin.ingest(rank, secrets.randbits(64) or 1, 0, batch)
+
+    return clear
+
+
 def _prefill_bootstrap_port() -> int | None:
     """This server's bootstrap port if it is a PD prefill (SGLang 0.5.23's config bag)."""
     try:
@@ -297,7 +326,12 @@ def attach_rank_watch(controller: Any) -> RankWatch | None:
     if not procs:
         log.info("sglang_kvpub: no scheduler processes of this controller to watch; a dead rank goes unnoticed")
         return None
-    watch = RankWatch(procs, _abort_sender(controller), bootstrap_port=_prefill_bootstrap_port())
+    watch = RankWatch(
+        procs,
+        _abort_sender(controller),
+        bootstrap_port=_prefill_bootstrap_port(),
+        on_dead=_stream_clear(getattr(controller, "kvpub_fanin", None)),
+    )
     setattr(controller, WATCH_ATTR, watch)
     watch.start()
     log.info("sglang_kvpub: watching the schedulers of DP ranks %s", sorted(procs))

@@ -421,8 +421,9 @@ def test_the_decode_killed_mid_transfer_fails_its_requests_and_nothing_stale_rem
 def test_a_prefill_rank_killed_ends_its_requests_and_the_instance_serves_on(rig: Rig) -> None:
     """One prefill rank's scheduler ``kill -9`` with a request in flight on it.  SGLang 0.5.23's
     DP controller does not watch its schedulers; the plugin's watch (engine/rank_watch.py)
-    does: the request in flight ends with a 503 naming the dead rank, a request naming that
-    rank ends at once, and the instance keeps serving on its live rank.  Last in the module:
+    does: the request in flight ends with a 503 naming the dead rank, the rank's blocks are
+    cleared on the instance stream, a request naming that rank ends at once, and the
+    instance keeps serving on its live rank.  Last in the module:
     it leaves that instance one rank short (a supervisor restarts it; /health fails when it
     probes the dead rank)."""
     pd = rig.pd
@@ -436,11 +437,20 @@ def test_a_prefill_rank_killed_ends_its_requests_and_the_instance_serves_on(rig:
     ]
     assert len(rank1) == 1, sglang_server.process_memory(server.proc.pid)
     host = server.spec.host
+    # A prompt held on the rank about to die, known to the adapter there.
+    on_rank1 = e2e_rig.prompt_text(4739, WORDS)
+    first, first_decode = _send(rig, victim, _pd_body(rig, on_rank1, host, 1), to_decode=True)
+    assert first_decode is not None and first.done.wait(600) and first_decode.done.wait(600)
+    assert (first.status, first_decode.status) == (200, 200), (first.body, first_decode.body)
+    ids1 = _ids(rig, on_rank1)
+    pd.wait_for(lambda: pd.held_on(ids1, victim, 1), "the adapter's hit on the dead-to-be rank", 300)
     to_prefill, to_decode = _send(rig, victim, _pd_body(rig, e2e_rig.prompt_text(4741, WORDS), host, 1), to_decode=True)
     assert to_decode is not None
     os.kill(rank1[0], signal.SIGKILL)
     assert to_prefill.done.wait(600), "the request in flight on the dead rank was never answered"
     assert to_prefill.status == 503 and "DP rank 1 of this instance is dead" in to_prefill.body, to_prefill.body
+    # Its cache is gone with it: the instance stream cleared the rank, the adapter dropped it.
+    pd.wait_for(lambda: pd.held_on(ids1, victim, None) is None, "the dead rank's blocks dropped", 300)
     # A request naming the dead rank ends at once, with the same cause.
     pinned, _ = _send(rig, victim, _pd_body(rig, e2e_rig.prompt_text(4742, 20), host, 1), to_decode=False)
     assert pinned.done.wait(600) and pinned.status == 503, pinned.body
@@ -458,6 +468,7 @@ def test_a_prefill_rank_killed_ends_its_requests_and_the_instance_serves_on(rig:
         decode_half_answered=to_decode.done.is_set(),
         decode_half=(to_decode.status, _from(to_decode.body, "Decode", 160)) if to_decode.done.is_set() else None,
         after=[d.status for d in served],
+        dead_rank_blocks="dropped by the adapter",
         watch=deaths[0].split("rank watch ", 1)[-1][:160],
     )
 
