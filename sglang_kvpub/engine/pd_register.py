@@ -245,7 +245,11 @@ class Registrar:
         with self._lock:
             if cause is None:
                 self.decode_told += 1
-                return
+                first_told = self.decode_told == 1
+        if cause is None:
+            self._maybe_log_stats(force=first_told)
+            return
+        with self._lock:
             dropped = 1
             if unreachable:  # the rest would wait for the same silence
                 dropped += len(lane.notices)
@@ -257,8 +261,8 @@ class Registrar:
         if first:
             log.error(
                 "sglang_kvpub: telling the decode through the bootstrap server %s that a registration "
-                "failed did not work (%s: %s); such a decode waits until its client gives up "
-                "(logged once per cause; counted as decode_not_told)",
+                "failed did not work, %s, %s; such a decode waits until its client gives up "
+                "(logged once per kind; counted as decode_not_told)",
                 lane.address,
                 cause,
                 detail,
