@@ -39,6 +39,8 @@ import re
 import threading
 from typing import Any, NamedTuple
 
+from sglang_kvpub.engine import guard
+
 __all__ = ["WATCH_ATTR", "MAX_TRACKED", "RankWatch", "active", "ended_here", "sent", "attach_rank_watch"]
 
 log = logging.getLogger(__name__)
@@ -209,8 +211,6 @@ def _ignore(message: str) -> None:
 
 
 def active(controller: Any) -> RankWatch | None:
-    from sglang_kvpub.engine import guard
-
     watch: RankWatch | None = getattr(controller, WATCH_ATTR, None)
     if watch is None or guard.disabled(guard.RANK_WATCH):
         return None
@@ -218,8 +218,6 @@ def active(controller: Any) -> RankWatch | None:
 
 
 def ended_here(watch: RankWatch, controller: Any, req: Any) -> bool:
-    from sglang_kvpub.engine import guard
-
     try:
         return watch.before_dispatch(controller, req)
     except Exception as exc:
@@ -228,8 +226,6 @@ def ended_here(watch: RankWatch, controller: Any, req: Any) -> bool:
 
 
 def sent(watch: RankWatch, rank: int, req: Any) -> None:
-    from sglang_kvpub.engine import guard
-
     try:
         watch.sent(rank, req)
     except Exception as exc:

@@ -182,3 +182,23 @@ def test_a_pd_request_of_a_dead_rank_has_its_room_registered_as_failed(rig: tupl
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_failing_watch_is_contained_and_switched_off() -> None:
+    from sglang_kvpub.engine import guard
+
+    class Broken(rank_watch.RankWatch):
+        def before_dispatch(self, controller: Any, req: Any) -> bool:
+            raise RuntimeError("boom")
+
+    controller = _Controller(status=[True])
+    watch = Broken({}, lambda *a: None)
+    setattr(controller, rank_watch.WATCH_ATTR, watch)
+    guard.reset()
+    try:
+        assert rank_watch.active(controller) is watch
+        assert rank_watch.ended_here(watch, controller, _req("x")) is False  # dispatch goes on
+        assert guard.disabled(guard.RANK_WATCH) and rank_watch.active(controller) is None
+        assert guard.stats()["failures"][guard.RANK_WATCH] == 1
+    finally:
+        guard.reset()
