@@ -26,6 +26,9 @@ no polling, nothing runs while every scheduler lives).  When one ends:
   epoch, as for a restarted rank): the router stops scoring a cache that is gone;
 - logged once per rank (ERROR), counted (:meth:`RankWatch.stats`).
 
+A scheduler that ends with its instance (a stop) is not a rank death: the watch reports one
+only if the controller's parent still runs :data:`SHUTDOWN_GRACE_S` after the end.
+
 SGLang's health checks still go to every rank it launched: ``/health`` then fails when it
 probes the dead one, which is what tells a supervisor to restart the instance.
 """
@@ -35,6 +38,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import re
 import threading
 from typing import Any, NamedTuple
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 
 WATCH_ATTR = "kvpub_rank_watch"
 MAX_TRACKED = 1024  # requests remembered per rank (their ids and return routes)
+SHUTDOWN_GRACE_S = 2.0  # a scheduler's end is a rank death if the instance still runs after this
 DPC_MODULE = "sglang.srt.managers.data_parallel_controller"
 
 
@@ -61,7 +66,9 @@ class RankWatch:
         max_tracked: int = MAX_TRACKED,
         bootstrap_port: int | None = None,
         on_dead: Any = None,
+        shutdown_grace_s: float = SHUTDOWN_GRACE_S,
     ) -> None:
+        self.shutdown_grace_s = shutdown_grace_s
         self._on_dead = on_dead  # (rank) -> None: the instance stream clears the rank
         self.procs = procs  # dp rank -> its scheduler processes (multiprocessing.Process)
         self.bootstrap_port = bootstrap_port  # a PD prefill's; None elsewhere
@@ -122,11 +129,18 @@ class RankWatch:
     def _run(self) -> None:
         from multiprocessing.connection import wait
 
+        parent = os.getppid()
         by_sentinel = {p.sentinel: (rank, p) for rank, ps in self.procs.items() for p in ps}
         while by_sentinel:
             for sentinel in wait(list(by_sentinel)):
                 rank, proc = by_sentinel.pop(sentinel)
                 proc.join(5.0)  # its sentinel fired: the exit status follows at once
+                # A whole instance stopping ends its schedulers too, this process and its
+                # parent a moment later: no rank death to report then.
+                threading.Event().wait(self.shutdown_grace_s)
+                if os.getppid() != parent:
+                    log.info("sglang_kvpub: DP rank %d's scheduler ended with the instance", rank)
+                    return
                 self.rank_died(rank, f"its scheduler process {proc.pid} exited with code {proc.exitcode}")
 
     def rank_died(self, rank: int, cause: str) -> None:
