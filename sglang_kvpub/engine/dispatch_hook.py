@@ -30,7 +30,7 @@ from sglang_kvpub.core.dispatch import (
     DispatchDecision,
 )
 from sglang_kvpub.core.ratelimit import RateLimitedLog
-from sglang_kvpub.engine import guard
+from sglang_kvpub.engine import guard, rank_watch
 from sglang_kvpub.wire import BatchDecoder, EventBatch, WireError
 
 __all__ = [
@@ -211,11 +211,16 @@ def _dispatch_hook(original: Callable[..., Any], self: Any, req: Any, *args: Any
     SGLang's own calls (explicit-rank routing, the socket send) stay outside the guarded
     part, so their errors are SGLang's as without the plugin; a failure of ours switches
     dispatch off for the process (guard.py) and SGLang's policy sends this request."""
+    watch = rank_watch.active(self)  # a dead rank: skipped, and a request naming it ended here
+    if watch is not None and rank_watch.ended_here(watch, self, req):
+        return None
     dispatcher: CacheAwareDispatcher | None = getattr(self, CONTROLLER_ATTR, None)
     if dispatcher is None or guard.DISPATCH in guard._disabled:
         return original(self, req, *args, **kwargs)
     if self.maybe_external_dp_rank_routing(req):  # SGLang's order: an explicit rank wins
         dispatcher.count(REASON_EXPLICIT)
+        if watch is not None:
+            rank_watch.sent(watch, req.routed_dp_rank, req)
         return None
     try:
         if getattr(req, "data_parallel_rank", None) is not None:  # pre-migration alias (older structs)
@@ -232,6 +237,8 @@ def _dispatch_hook(original: Callable[..., Any], self: Any, req: Any, *args: Any
     if rank is None:
         return original(self, req, *args, **kwargs)
     send(worker, req)
+    if watch is not None:
+        rank_watch.sent(watch, rank, req)
     return None
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "FACTORY",
     "FANIN",
     "PD_REGISTER",
+    "RANK_WATCH",
     "disabled",
     "fail",
     "stats",
@@ -51,7 +52,8 @@ FACTORY = "factory"  # EventPublisherFactory.create: the rank publisher instead 
 FANIN = "fanin"  # the fan-in started by the DataParallelController
 REASONS = "reasons"  # BlockRemoved.reason given at the recorder's take
 PD_REGISTER = "pd_register"  # a PD prefill request's rank registration, off the scheduler thread
-FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN, REASONS, PD_REGISTER)
+RANK_WATCH = "rank_watch"  # the DP controller's watch on its schedulers' liveness
+FEATURES = (STEP, IDLE, RELEASE, RECONCILE, DISPATCH, DESCRIBE, FACTORY, FANIN, REASONS, PD_REGISTER, RANK_WATCH)
 
 # What SGLang does once the feature is off (the log line says it).
 _FALLBACK = {
@@ -65,6 +67,7 @@ _FALLBACK = {
     FANIN: "no instance stream from this process",
     REASONS: "removals are published without a reason",
     PD_REGISTER: "SGLang registers each PD prefill request's rank itself, on the scheduler thread",
+    RANK_WATCH: "a dead DP rank goes unnoticed, as in SGLang: its requests wait until their clients give up",
 }
 
 _disabled: set[str] = set()

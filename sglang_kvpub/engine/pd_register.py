@@ -19,6 +19,14 @@ bootstrap timeout (300 s).  When the address does not answer at all, the request
 behind on that lane fail with the same cause rather than each waiting for its own
 timeout.  Failures are counted per cause and logged once per cause.
 
+The decode of a failed request asks the same bootstrap server for the room's rank and,
+finding none, would ask again every step until its client gives up.  So the lane then
+registers the room with :data:`FAILED_RANK`, a rank no prefill has: the decode's
+receiver finds no bootstrap entry for it (``/route`` answers 404) and SGLang's decode
+aborts the request ("Decode handshake failed ... prefill_dp_rank: -2").  These notices
+are posted before the lane's next registration, bounded apart from the registrations
+(:data:`MAX_NOTICES`); one the address does not take is counted (``decode_not_told``).
+
 The scheduler thread's part is an enqueue (microseconds; :meth:`Registrar.stats`
 ``scheduler_us_per_request``), where SGLang's POST took ``post_ms_per_request``.
 See docs/dispatch.md ("The rank registration").
@@ -40,6 +48,8 @@ from typing import Any
 __all__ = [
     "TARGET_REGISTER",
     "TIMEOUT_ENV",
+    "MAX_PENDING_ENV",
+    "FAILED_RANK",
     "Registrar",
     "registrar",
     "register_hook",
@@ -54,7 +64,10 @@ CONN_MODULE = "sglang.srt.disaggregation.common.conn"
 TIMEOUT_S = 5.0  # SGLang's own timeout for this POST
 TIMEOUT_ENV = "SGLANG_KVPUB_PD_REGISTER_TIMEOUT_S"  # overrides it (seconds)
 MAX_PENDING = 1024  # registrations waiting over all lanes
+MAX_PENDING_ENV = "SGLANG_KVPUB_PD_REGISTER_MAX_PENDING"  # overrides it
 MAX_LANES = 16  # distinct bootstrap addresses with a registration in flight
+MAX_NOTICES = 1024  # failed rooms waiting to be announced to their decode, over all lanes
+FAILED_RANK = -2  # registered for a failed room: no prefill rank has it, so the decode fails it
 IDLE_EXIT_S = 30.0  # a lane's thread ends after this long without work
 STATS_EVERY_S = 10.0  # at most one stats line per this period, while registrations happen
 
@@ -74,6 +87,7 @@ class _Lane:
     def __init__(self, address: str) -> None:
         self.address = address
         self.jobs: collections.deque[_Job] = collections.deque()
+        self.notices: collections.deque[int] = collections.deque()  # failed rooms for the decode
         self.connection: http.client.HTTPConnection | None = None
         self.thread: threading.Thread | None = None
 
@@ -87,20 +101,25 @@ class Registrar:
         timeout_s: float = TIMEOUT_S,
         max_pending: int = MAX_PENDING,
         max_lanes: int = MAX_LANES,
+        max_notices: int = MAX_NOTICES,
         idle_exit_s: float = IDLE_EXIT_S,
     ) -> None:
         self.timeout_s = timeout_s
         self.max_pending = max_pending
         self.max_lanes = max_lanes
+        self.max_notices = max_notices
         self.idle_exit_s = idle_exit_s
         self._lock = threading.Condition()
         self._lanes: dict[str, _Lane] = {}
         self._unstarted: list[_Lane] = []
         self._starter: threading.Thread | None = None
         self._pending = 0
+        self._notices = 0
         self.submitted = 0
         self.registered = 0
         self.failed: collections.Counter[str] = collections.Counter()
+        self.decode_told = 0  # failed rooms registered with FAILED_RANK
+        self.decode_not_told: collections.Counter[str] = collections.Counter()  # per cause
         self.scheduler_s = 0.0  # time the callers spent in submit()
         self.scheduler_max_s = 0.0
         # The same as this thread's CPU time: what a loaded machine's preemptions do not inflate.
@@ -146,7 +165,10 @@ class Registrar:
                 "submitted": self.submitted,
                 "registered": self.registered,
                 "failed": dict(self.failed),
+                "decode_told": self.decode_told,
+                "decode_not_told": dict(self.decode_not_told),
                 "pending": self._pending,
+                "notices": self._notices,
                 "lanes": len(self._lanes),
                 "scheduler_us_per_request": round(self.scheduler_s / done * 1e6, 2),
                 "scheduler_us_max": round(self.scheduler_max_s * 1e6, 1),
@@ -185,7 +207,7 @@ class Registrar:
         while True:
             with self._lock:
                 deadline = time.monotonic() + self.idle_exit_s
-                while not lane.jobs:
+                while not lane.jobs and not lane.notices:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         del self._lanes[lane.address]
@@ -193,9 +215,17 @@ class Registrar:
                             lane.connection.close()
                         return
                     self._lock.wait(left)
-                job = lane.jobs.popleft()
-                self._pending -= 1
-            cause, detail, unreachable = self._post(lane, job)
+                if lane.notices:  # a decode waits on each: before the next registration
+                    room = lane.notices.popleft()
+                    self._notices -= 1
+                    job = None
+                else:
+                    job = lane.jobs.popleft()
+                    self._pending -= 1
+            if job is None:
+                self._notify(lane, room)
+                continue
+            cause, detail, unreachable = self._post(lane, job.room, job.rank)
             if cause is None:
                 with self._lock:
                     self.registered += 1
@@ -209,9 +239,57 @@ class Registrar:
                     lane.jobs.clear()
             self._fail(failed, lane.address, cause, detail)
 
-    def _post(self, lane: _Lane, job: _Job) -> tuple[str | None, str, bool]:
+    def _notify(self, lane: _Lane, room: int) -> None:
+        """Registers a failed room with FAILED_RANK, so that its decode fails it too."""
+        cause, detail, unreachable = self._post(lane, room, FAILED_RANK)
+        with self._lock:
+            if cause is None:
+                self.decode_told += 1
+                first_told = self.decode_told == 1
+        if cause is None:
+            self._maybe_log_stats(force=first_told)
+            return
+        with self._lock:
+            dropped = 1
+            if unreachable:  # the rest would wait for the same silence
+                dropped += len(lane.notices)
+                self._notices -= len(lane.notices)
+                lane.notices.clear()
+            self.decode_not_told[cause] += dropped
+            first = f"notice:{cause}" not in self._logged
+            self._logged.add(f"notice:{cause}")
+        if first:
+            log.error(
+                "sglang_kvpub: telling the decode through the bootstrap server %s that a registration "
+                "failed did not work, %s, %s; such a decode waits until its client gives up "
+                "(logged once per kind; counted as decode_not_told)",
+                lane.address,
+                cause,
+                detail,
+            )
+
+    def _tell_decode(self, address: str, rooms: list[int]) -> None:
+        """Queues a notice per failed room on its address's lane (bounded)."""
+        with self._lock:
+            lane = self._lanes.get(address)
+            if lane is None:
+                if len(self._lanes) >= self.max_lanes:
+                    self.decode_not_told["no_lane"] += len(rooms)
+                    return
+                lane = self._lanes[address] = _Lane(address)
+                self._unstarted.append(lane)
+                if self._starter is None:
+                    self._start_starter()
+            room_left = max(0, self.max_notices - self._notices)
+            lane.notices.extend(rooms[:room_left])
+            self._notices += min(room_left, len(rooms))
+            if len(rooms) > room_left:
+                self.decode_not_told["notices_full"] += len(rooms) - room_left
+            self._lock.notify_all()
+
+    def _post(self, lane: _Lane, room: int, rank: int) -> tuple[str | None, str, bool]:
         """(cause or None, detail, whether the address is unreachable)."""
-        body = json.dumps({"bootstrap_room": job.room, "dp_rank": job.rank})
+        body = json.dumps({"bootstrap_room": room, "dp_rank": rank})
         start = time.perf_counter()
         try:
             if lane.connection is None:
@@ -253,6 +331,7 @@ class Registrar:
                 job.on_failure(message)
             except Exception as exc:  # the request is SGLang's: never let it kill the lane
                 log.warning("sglang_kvpub: failing bootstrap room %d: %r", job.room, exc)
+        self._tell_decode(address, [job.room for job in jobs])
 
     def _maybe_log_stats(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -278,23 +357,26 @@ def registrar() -> Registrar:
     global _registrar
     with _registrar_lock:
         if _registrar is None:
-            _registrar = Registrar(timeout_s=_timeout_from_env())
+            _registrar = Registrar(
+                timeout_s=_positive_from_env(TIMEOUT_ENV, TIMEOUT_S),
+                max_pending=int(_positive_from_env(MAX_PENDING_ENV, MAX_PENDING)),
+            )
         return _registrar
 
 
-def _timeout_from_env() -> float:
+def _positive_from_env(name: str, default: float) -> float:
     import os
 
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = 0.0
     if value <= 0:
-        log.warning("sglang_kvpub: %s=%r is not a positive number of seconds; using %s", TIMEOUT_ENV, raw, TIMEOUT_S)
-        return TIMEOUT_S
+        log.warning("sglang_kvpub: %s=%r is not a positive number; using %s", name, raw, default)
+        return default
     return value
 
 

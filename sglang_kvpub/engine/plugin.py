@@ -451,9 +451,22 @@ def _controller_init_hook(original: Callable[..., Any], self: Any, *args: Any, *
         raise
     self.kvpub_fanin = fanin
     _attach_dispatch(self, server_args, topology, fanin)
+    _attach_rank_watch(self)
     if fanin is not None:
         _attach_load_reports(self, fanin)
     return result
+
+
+def _attach_rank_watch(controller: Any) -> None:
+    """The schedulers' liveness (engine/rank_watch.py), contained."""
+    if guard.disabled(guard.RANK_WATCH):
+        return
+    try:
+        from sglang_kvpub.engine.rank_watch import attach_rank_watch
+
+        attach_rank_watch(controller)
+    except Exception as exc:
+        guard.fail(guard.RANK_WATCH, exc)
 
 
 def _attach_load_reports(controller: Any, fanin: Any) -> None:
