@@ -23,7 +23,11 @@
 #include "sglang_kvpub/core/csrc/hash.c"
 #include "sglang_kvpub/core/csrc/msgpack_ids.c"
 #include "sglang_kvpub/core/csrc/u64_table.c"
+#include "csrc/body_split.h"
+#include "csrc/query_memo.c"
 #include "csrc/query_body.c"
+#include "csrc/answer_score.c"
+#include "csrc/answer_json.c"
 #include "csrc/answer.c"
 
 static PyMethodDef answer_methods[] = {
@@ -40,7 +44,7 @@ static PyMethodDef answer_methods[] = {
      "QueryKeysMemo, the leading blocks a recent body shares are taken from it."},
     {"rank_answer", answer_rank_answer, METH_VARARGS,
      "rank_answer(board, streams, live, now, stale_after, isl, spread) -> False | None | (json, best_blocks, until, "
-     "effects): the rank-aware /query answer and what it commits and counts (see _answer.c)."},
+     "effects): the rank-aware /query answer and what it commits and counts (see csrc/answer.c)."},
     {NULL, NULL, 0, NULL},
 };
 
