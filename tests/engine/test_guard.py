@@ -1,11 +1,11 @@
-"""Every plugin hook contains its own failures (issue #16 point 1): one test per hook.
+"""Every plugin hook contains its own failures: one test per hook.
 
 For each hook a failure is injected into the plugin's part; the test checks that SGLang's
 own behaviour still happens (the original's result, the engine's call goes on), that the
 failure is logged once with its cause, counted in ``guard.stats()``, and that the feature
 stays off: the next call runs SGLang's path without touching the plugin's code again.
 The release and reconcile hooks run on SGLang 0.5.23's real tree classes, the Rust core
-included (the issue's crash: ``root_node`` raises NotImplementedError there).
+included, whose ``root_node`` raises NotImplementedError.
 """
 
 from __future__ import annotations

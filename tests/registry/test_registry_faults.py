@@ -1,4 +1,4 @@
-"""Registrations outlive the adapter (issue 22), with real processes and no mocks.
+"""Registrations outlive the adapter, with real processes and no mocks.
 
 The adapter is ``motor-kv-adapter serve`` in its own process, killed with SIGKILL and started
 again with the same command; etcd is the real etcd 3.5 server; hits come from the simulator's
