@@ -284,9 +284,9 @@ def test_release_hook_failure_keeps_sglang_operation(
 
 @requires_radix_cache
 def test_rust_core_idle_does_not_crash_and_watches_drift(caplog: pytest.LogCaptureFixture) -> None:
-    """The issue's crash: the first idle step on the Rust core (root_node raises
-    NotImplementedError).  Now: one start line names the core's limits; drift is followed
-    from the core's own events and counters; a lost event shows as drift, logged."""
+    """The first idle step on the Rust core, whose root_node raises NotImplementedError,
+    must not crash: one start line names the core's limits; drift is followed from the
+    core's own events and counters; a lost event shows as drift, logged."""
     from bench import rh_trees
 
     ns = rh_trees.setup()

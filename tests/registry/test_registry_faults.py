@@ -29,7 +29,7 @@ from registry_procs import (
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(120)]
 
-RESTART_DEADLINE_S = 10.0  # the bound on hits coming back after a restart
+RESTART_DEADLINE_S = 10.0  # the promised bound on hits coming back after a restart
 
 
 def report(**figures: Any) -> None:
