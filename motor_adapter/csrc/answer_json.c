@@ -39,7 +39,7 @@ static inline __attribute__((always_inline)) int text_raw(text_t *t, const char 
         return -1;
     }
     char *to = t->data + t->len;
-    if (n <= 64) { /* names, keys, digits: a libc memcpy per copy made an 8-instance answer 3.3 us, not 2.2 */
+    if (n <= 64) { /* names, keys, digits: short enough that a byte loop beats a libc call per copy */
         for (size_t k = 0; k < n; k++) {
             to[k] = s[k];
         }
