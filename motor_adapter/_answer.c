@@ -1,11 +1,12 @@
 /* The router's C helpers (motor_adapter._answer, docs/native.md): what the adapter runs per
  * /query and nothing the engine needs - the msgpack body's ids split off, decoded and hashed in
- * one call (take_query_keys, with QueryKeysMemo's prefix reuse), a body key (no caller now),
- * and the rank-aware answer (rank_answer).  Python is the reference and the fallback for each.
+ * one call (take_query_keys, with QueryKeysMemo's prefix reuse) and the rank-aware answer
+ * (rank_answer).  Python is the reference and the fallback for each.
  *
  * A unity build: the block keys (XXH3 bound from the xxhash package, chained keys), the
  * msgpack id decoders and the u64 -> u64 table are the engine's files (sglang_kvpub/core/csrc/),
- * compiled here too so both extensions hash, decode and index with the same code; the rest is motor_adapter/csrc/.
+ * compiled here too so both extensions hash, decode and index with the same code; the rest is
+ * motor_adapter/csrc/.
  * Little-endian hosts only, as the engine's. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,8 +23,11 @@
 #include "sglang_kvpub/core/csrc/hash.c"
 #include "sglang_kvpub/core/csrc/msgpack_ids.c"
 #include "sglang_kvpub/core/csrc/u64_table.c"
+#include "csrc/body_split.h"
+#include "csrc/query_memo.c"
 #include "csrc/query_body.c"
-#include "csrc/body_key.c"
+#include "csrc/answer_score.c"
+#include "csrc/answer_json.c"
 #include "csrc/answer.c"
 
 static PyMethodDef answer_methods[] = {
@@ -38,11 +42,9 @@ static PyMethodDef answer_methods[] = {
      "take_query_keys(body, default_block_size, seed, memo=None) -> (rest, keys, tokens, spread, block_size) | "
      "None: take_token_ids with the ids hashed into sequence_keys and spread_key instead of returned; with a "
      "QueryKeysMemo, the leading blocks a recent body shares are taken from it."},
-    {"body_key", (PyCFunction)(void (*)(void))native_body_key, METH_FASTCALL,
-     "body_key(data, flag) -> (XXH3-128 of data, seed 0) << 1 | flag, hashed without AVX-512."},
     {"rank_answer", answer_rank_answer, METH_VARARGS,
      "rank_answer(board, streams, live, now, stale_after, isl, spread) -> False | None | (json, best_blocks, until, "
-     "effects): the rank-aware /query answer and what it commits and counts (see _answer.c)."},
+     "effects): the rank-aware /query answer and what it commits and counts (see csrc/answer.c)."},
     {NULL, NULL, 0, NULL},
 };
 

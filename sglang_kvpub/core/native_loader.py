@@ -2,9 +2,8 @@
 
 An extension is used only when it imports, has every name its caller reads, binds to the
 xxhash package's XXH3 (``bind``: the same code the Python path hashes with), and computes
-the chained block keys the Python loops compute on a few prompts (and passes the caller's
-own ``check``).  Otherwise the caller gets None and its Python paths answer; ``KVPUB_NATIVE=0``
-turns every extension off.
+the chained block keys the Python loops compute on a few prompts.  Otherwise the caller
+gets None and its Python paths answer; ``KVPUB_NATIVE=0`` turns every extension off.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import logging
 import os
 import struct
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 __all__ = ["load_extension"]
 
@@ -31,12 +30,10 @@ def load_extension(
     reference: ChainedKeys,
     seed: int,
     what: str,
-    check: Union[Callable[[Any, bytes], Union[str, None]], None] = None,
 ) -> Any:
     """``module_name`` bound and checked, or None.  ``reference``: the Python loops'
-    ``(raw, block_size, seed, parent, start, end) -> keys``; ``check(module, raw)``: the
-    caller's own test on each prompt's u32 bytes, the reason it fails or None; ``what``
-    names the helpers in the log."""
+    ``(raw, block_size, seed, parent, start, end) -> keys``; ``what`` names the helpers in
+    the log."""
     if os.environ.get("KVPUB_NATIVE", "1").strip() == "0":
         return None
     try:
@@ -55,9 +52,5 @@ def load_extension(
         blocks = size // block
         if module.chain_keys(raw, block, 7, seed, 0, blocks) != reference(raw, block, 7, seed, 0, blocks):
             log.warning("%s disagree with the Python loops: not used", what)
-            return None
-        failed = check(module, raw) if check is not None else None
-        if failed is not None:
-            log.warning("%s: %s: not used", what, failed)
             return None
     return module

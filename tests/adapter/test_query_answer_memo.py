@@ -1,4 +1,4 @@
-"""Remembered rank-aware ``/query`` answers (issue 32): a changed load, holding, worker or
+"""Remembered rank-aware ``/query`` answers: a changed load, holding, worker or
 commit must change the answer exactly as a fresh computation does."""
 
 from __future__ import annotations

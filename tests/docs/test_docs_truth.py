@@ -413,6 +413,40 @@ def test_docs_carry_no_history() -> None:
     _none(history_findings())
 
 
+# In the code an issue or session number is history wherever it stands, comment or string; an
+# upstream project's "#N" is a fact and a CLI's ``--sessions N`` a flag, so neither is matched.
+CODE_HISTORY = re.compile(r"(?<![-\w])(?:[Ii]ssues? #?\d+|[Ss]essions? \d+)")
+CODE_SUFFIXES = {".py", ".c", ".h", ".sh", ".cfg", ".toml"}
+
+
+def code_history_findings() -> list[str]:
+    """Comments say why, not how the code came to be: no issue or session numbers in the
+    packages' source (Python and C) or CI's scripts."""
+    files = [
+        *(f for package in ("sglang_kvpub", "motor_adapter") for f in sorted((ROOT / package).rglob("*"))),
+        *sorted((ROOT / ".ci").glob("*")),
+    ]
+    problems = []
+    for path in files:
+        if not path.is_file() or (path.suffix not in CODE_SUFFIXES and path.parent.name != ".ci"):
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for found in CODE_HISTORY.findall(line):
+                problems.append(f"{_rel(path)}:{number}: history in the code: {found!r}")
+    return problems
+
+
+def test_code_carries_no_history() -> None:
+    _none(code_history_findings())
+
+
+def test_the_code_history_check_sees_history_and_spares_facts() -> None:
+    """The pattern finds what it is for and leaves upstream references and flags alone."""
+    assert CODE_HISTORY.findall("# kept for issue 32's fix; see Issue #21 and session 19")
+    for fact in ("# SGLang #34407 asks for it", "bench/routing.py --sessions 1200", "a tissue 3"):
+        assert not CODE_HISTORY.findall(fact), fact
+
+
 def test_every_shipped_example_passes_its_documented_command() -> None:
     problems, checked = example_findings()
     _none(problems + example_files_findings())

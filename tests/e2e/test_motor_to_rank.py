@@ -1,4 +1,4 @@
-"""Issue #21 point 3: the originating report's path, whole and real, in one test tier.
+"""The originating report's path, whole and real, in one test tier.
 
 Motor's real coordinator (``mindie-motor``, unmodified, configured from
 ``docs/examples/motor_user_config.json``) -> ``motor-kv-adapter serve`` as its kv-conductor ->

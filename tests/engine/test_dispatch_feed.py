@@ -1,10 +1,10 @@
-"""The cache-aware dispatcher is fed by the fan-in's own per-message step (issue #21 point 1).
+"""The cache-aware dispatcher is fed by the fan-in's own per-message step.
 
 Real rank publisher processes send their stores over the real internal channel (Unix
 SEQPACKET, the default, and ZMQ ipc) to a real FanIn; the dispatcher is attached exactly as
-the plugin's DataParallelController hook attaches it.  Before the fix the live channel
-drains never called ``FanIn.ingest``, which was the only thing feeding the dispatcher, so
-its index stayed empty and every decision was ``no_hit``.
+the plugin's DataParallelController hook attaches it.  ``FanIn.ingest`` is the dispatcher's
+only feed, so a live channel drain that skipped it would leave its index empty and every
+decision ``no_hit``.
 """
 
 from __future__ import annotations

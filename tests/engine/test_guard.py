@@ -1,11 +1,11 @@
-"""Every plugin hook contains its own failures (issue #16 point 1): one test per hook.
+"""Every plugin hook contains its own failures: one test per hook.
 
 For each hook a failure is injected into the plugin's part; the test checks that SGLang's
 own behaviour still happens (the original's result, the engine's call goes on), that the
 failure is logged once with its cause, counted in ``guard.stats()``, and that the feature
 stays off: the next call runs SGLang's path without touching the plugin's code again.
 The release and reconcile hooks run on SGLang 0.5.23's real tree classes, the Rust core
-included (the issue's crash: ``root_node`` raises NotImplementedError there).
+included, whose ``root_node`` raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -284,9 +284,9 @@ def test_release_hook_failure_keeps_sglang_operation(
 
 @requires_radix_cache
 def test_rust_core_idle_does_not_crash_and_watches_drift(caplog: pytest.LogCaptureFixture) -> None:
-    """The issue's crash: the first idle step on the Rust core (root_node raises
-    NotImplementedError).  Now: one start line names the core's limits; drift is followed
-    from the core's own events and counters; a lost event shows as drift, logged."""
+    """The first idle step on the Rust core, whose root_node raises NotImplementedError,
+    must not crash: one start line names the core's limits; drift is followed from the
+    core's own events and counters; a lost event shows as drift, logged."""
     from bench import rh_trees
 
     ns = rh_trees.setup()

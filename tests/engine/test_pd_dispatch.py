@@ -1,4 +1,4 @@
-"""Cache-aware dispatch on a PD prefill (issue 31): which load-balance method SGLang runs.
+"""Cache-aware dispatch on a PD prefill: which load-balance method SGLang runs.
 
 Unit: :func:`sglang_kvpub.core.load_balance.plan_dispatch` and ``sglang-kvpub check-config``.
 Integration: SGLang 0.5.23's real argument parsing, resolution and ``check_server_args`` in

@@ -1,4 +1,4 @@
-"""The adapter and the dispatcher pick the same rank (issue 33), on one replay.
+"""The adapter and the dispatcher pick the same rank, on one replay.
 
 One replay of agentic sessions (a shared system prompt, each session's history growing turn
 by turn) over 2 instances x 4 ranks, driving the shipped halves only: the adapter's state

@@ -1,4 +1,4 @@
-"""Rank loads on the instance stream (issue 33): the contract, who skips it, the fan-in that
+"""Rank loads on the instance stream: the contract, who skips it, the fan-in that
 sends it, the adapter that reads it, the answer Motor's unchanged cost reads, the metrics and
 the Grafana dashboard built from them."""
 

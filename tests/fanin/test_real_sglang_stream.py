@@ -87,7 +87,7 @@ def _tail_scenario() -> list[dict[str, Any]]:
 
 
 def _documented_json(seq: int, dp_rank: int, batch: dict[str, Any]) -> dict[str, Any]:
-    """What issue 2 item 3 says ``tail --json`` prints for this batch."""
+    """What ``sglang-kvpub tail --json`` prints for this batch."""
     events: list[dict[str, Any]] = []
     for event in batch["events"]:
         if event["type"] == "BlockStored":

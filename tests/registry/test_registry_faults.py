@@ -1,4 +1,4 @@
-"""Registrations outlive the adapter (issue 22), with real processes and no mocks.
+"""Registrations outlive the adapter, with real processes and no mocks.
 
 The adapter is ``motor-kv-adapter serve`` in its own process, killed with SIGKILL and started
 again with the same command; etcd is the real etcd 3.5 server; hits come from the simulator's
@@ -29,7 +29,7 @@ from registry_procs import (
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(120)]
 
-RESTART_DEADLINE_S = 10.0  # the issue's bound on hits coming back after a restart
+RESTART_DEADLINE_S = 10.0  # the promised bound on hits coming back after a restart
 
 
 def report(**figures: Any) -> None:

@@ -1,6 +1,6 @@
 """The report's dp 16 in a real CPU server: ``--dp-size 16 --plugin sglang_kvpub --sleep-on-idle``.
 
-Issue #32 point 1, as a new user runs it (tiny model from bench/sglang_server.py, one
+The report's setting, as a new user runs it (tiny model from bench/sglang_server.py, one
 OpenMP core group per rank in ``SGLANG_CPU_OMP_THREADS_BIND``): one instance stream carries
 every rank that served, a repeated prompt is dispatched to the rank holding it, a flush
 empties the adapter's index, a ``kill -9`` of the server is seen by the adapter as the

@@ -1,7 +1,7 @@
 """A real ``sglang.launch_server`` (CPU, --dp-size 2) with ``--plugin sglang_kvpub``, on both tree cores.
 
-Issue #16 point 3, checks (a)-(d), and issue #21 point 2 (cache-aware dispatch, the
-default, lands a repeated prompt on the rank that holds it).  One server per tree core
+The plugin's promises on a real server, checks (a)-(d), and cache-aware dispatch (the
+default) landing a repeated prompt on the rank that holds it.  One server per tree core
 (module-scoped, parametrized), shared by the checks below in file order; the kill -9 check
 ends each server.  The instance stream is read by a plain SUB (tests/npu's StreamRecorder);
 ``motor-kv-adapter serve`` runs as a subprocess registered once for the instance endpoint.
@@ -61,7 +61,7 @@ def test_a_one_instance_stream_carries_both_ranks_tagged(rig: PluginRig) -> None
     assert stores and all(e.medium == wire.MEDIUM_GPU and e.block_size == PAGE for e in stores)
 
     def loads_of_both_ranks(_: Any) -> None:
-        # The DP controller's rank-load message (issue 33): every rank, with what it computed.
+        # The DP controller's rank-load message: every rank, with what it computed.
         reports = list(rig.recorder.load_reports)
         assert reports, "no rank-load message on the instance stream"
         ranks = {r.dp_rank: r for r in reports[-1].loads.ranks}
@@ -72,7 +72,7 @@ def test_a_one_instance_stream_carries_both_ranks_tagged(rig: PluginRig) -> None
 
 
 def test_repeated_long_prompt_lands_on_the_holding_rank_with_cached_tokens(rig: PluginRig) -> None:
-    """Issue #21 point 2: cache-aware dispatch (the plugin's default) sends every repeat to
+    """Cache-aware dispatch (the plugin's default) sends every repeat to
     the rank that holds the prompt; SGLang reports the cached tokens."""
     ids = sglang_server.prompt_ids(7, LONG)
     first = rig.server.generate(ids)["meta_info"]

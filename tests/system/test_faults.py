@@ -242,7 +242,7 @@ def test_kill9_fanin_ranks_keep_running(make_instance: Callable[..., Instance], 
         # What the new fan-in can know: announcements since it started (batches 30..33).
         # Nothing stale; requests prefilled before the restart and still resident are
         # missing (removals of them are unknown_removals) until the rank side re-announces
-        # them (issue 3's reconciliation) or the cache turns over.
+        # them (the rank-side reconciliation) or the cache turns over.
         seen = truth({r: [(30, 34)] for r in range(2)})
         health = wait_equal(sub, index, seen, "right after the fan-in restart")
         engine = inst.truth()

@@ -1,6 +1,5 @@
 /* The block keys: XXH3 bound from the xxhash package's extension, token ids read from any
- * integer buffer, the chained keys (chain_keys), u32 bytes of a list of ints, and the
- * conversions of masks wider than 64 bits to and from Python ints.
+ * integer buffer, the chained keys (chain_keys) and u32 bytes of a list of ints.
  *
  * One file of the _native extension: a unity build, included by sglang_kvpub/core/_native.c in
  * order (docs/native.md says what each part is for and why it is native). */
@@ -8,15 +7,6 @@
 typedef uint64_t (*xxh3_seeded_fn)(const void *data, size_t len, uint64_t seed);
 
 static xxh3_seeded_fn xxh3_seeded = NULL;
-
-/* XXH3-128's value as the xxhash package returns it (low and high halves, by value). */
-typedef struct {
-    uint64_t low64;
-    uint64_t high64;
-} xxh3_128_value;
-typedef xxh3_128_value (*xxh3_128_seeded_fn)(const void *data, size_t len, uint64_t seed);
-
-static xxh3_128_seeded_fn xxh3_128_seeded = NULL;
 
 /* Stack room for one block widened from 8-byte ids; larger blocks use the heap. */
 #define STACK_TOKENS 1024
@@ -45,16 +35,8 @@ static PyObject *native_bind(PyObject *self, PyObject *arg) {
         PyErr_Format(PyExc_ImportError, "%s exports no XXH3_64bits_withSeed", path);
         return NULL;
     }
-    /* The plain (not the runtime-dispatched) entry point: the dispatched one picks AVX-512
-     * where the CPU has it, which costs a server more per request (see body_key). */
-    void *symbol_128 = dlsym(handle, "XXH3_128bits_withSeed");
-    if (symbol_128 == NULL) {
-        PyErr_Format(PyExc_ImportError, "%s exports no XXH3_128bits_withSeed", path);
-        return NULL;
-    }
-    /* The handle stays open for the life of the process: the symbols are used until exit. */
+    /* The handle stays open for the life of the process: the symbol is used until exit. */
     xxh3_seeded = (xxh3_seeded_fn)symbol;
-    xxh3_128_seeded = (xxh3_128_seeded_fn)symbol_128;
     Py_RETURN_NONE;
 }
 
@@ -201,12 +183,4 @@ static PyObject *native_chain_keys(PyObject *self, PyObject *args) {
     }
     source_close(&src);
     return keys;
-}
-
-static PyObject *wide_to_long(const uint64_t *words, int count) {
-#if PY_VERSION_HEX >= 0x030D0000
-    return PyLong_FromUnsignedNativeBytes(words, (size_t)count * 8, Py_ASNATIVEBYTES_LITTLE_ENDIAN);
-#else
-    return _PyLong_FromByteArray((const unsigned char *)words, (size_t)count * 8, 1, 0);
-#endif
 }

@@ -193,6 +193,15 @@ static int wide_from_long(PyObject *value, uint64_t *out, int count) {
     return 0;
 }
 
+/* A mask of `count` little-endian words as a Python int, through CPython's converter. */
+static PyObject *wide_to_long(const uint64_t *words, int count) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(words, (size_t)count * 8, Py_ASNATIVEBYTES_LITTLE_ENDIAN);
+#else
+    return _PyLong_FromByteArray((const unsigned char *)words, (size_t)count * 8, 1, 0);
+#endif
+}
+
 static int wide_end(PyObject *ends, Py_ssize_t position, const uint64_t *mask, int count) {
     PyObject *number = wide_to_long(mask, count);
     PyObject *at = number != NULL ? PyLong_FromSsize_t(position) : NULL;
