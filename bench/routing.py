@@ -67,7 +67,7 @@ Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field 
 - fold_pinned: ours at the router. KvAffinity.select picks the instance AND pins the rank its fold names
   (Decision.dp_rank = routed_dp_rank: the rank with the longest hit); round-robin when nothing is matched.
   Motor's load is per instance (one endpoint per instance): the pinned rank's own queue is not in the cost.
-- fold_pinned_dispatch: issue 9. KvAffinity.select picks the instance (no pin); inside the instance the real
+- fold_pinned_dispatch: KvAffinity.select picks the instance (no pin); inside the instance the real
   CacheAwareDispatcher (fed the same rank events) picks the rank from its index and the rank loads (same load
   signal as below). Its JSON line also reports the ratios against instance_affinity, the same router with
   SGLang's round-robin dispatch.
@@ -808,7 +808,7 @@ class Router:
         return inst * self.n_ranks + rank if rank is not None else self._rr_rank(inst)
 
     def fold_pinned_dispatch(self, cl: Cluster, req: Request) -> int:
-        """Issue 9: the instance by the fold, the rank by the instance's cache-aware dispatcher."""
+        """The instance by the fold, the rank by the instance's cache-aware dispatcher."""
         inst, _, tokens = self._select(cl, req, self.feed.router if self.feed else None)
         assert self.feed is not None and self.feed.dispatchers
         base = inst * self.n_ranks

@@ -315,7 +315,7 @@ def test_plot_written_or_skipped_with_note(tmp_path: Path) -> None:
         assert "matplotlib" in note
 
 
-# ------------------------------------------------------------------------------------------ issue 33
+# ------------------------------------------------------------------------------- the default path
 def test_default_path_runs_the_adapter_and_the_dispatcher_and_is_compared_with_all() -> None:
     records = routing.agentic_records(seed=1, sessions=40)
     cfg = routing.SimConfig(instances=2, ranks=4, capacity_pages=400)

@@ -137,7 +137,7 @@ def test_every_registration_reaches_the_bootstrap_server_and_the_caller_never_wa
 def test_a_silent_bootstrap_address_delays_only_its_own_requests_and_fails_them(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The issue's case: a wrong bootstrap host that accepts and never answers, then a good request."""
+    """A client's wrong bootstrap host that accepts and never answers, then a good request."""
     registrar = Registrar(timeout_s=2.0)
     failures = Failures()
     failures.expected = 3

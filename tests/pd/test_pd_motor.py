@@ -1,4 +1,4 @@
-"""Issue #31 point 3: the report's PD deployment in small, every part real.
+"""The report's PD deployment in small, every part real.
 
 Motor's real coordinator (``mindie-motor`` 3.0.0b2, ``deploy_mode: pd_dual_dispatch``,
 ``kv_cache_affinity``, configured from ``docs/examples/motor_user_config.json`` and
