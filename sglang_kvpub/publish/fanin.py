@@ -4,7 +4,7 @@ One per instance: in SGLang's DataParallelController process, or in the sidecar.
 
 Stream.  Each rank batch becomes exactly one instance batch (ranks never mixed, dp_rank
 set, per-rank order kept) with ``seq = wire.make_seq(epoch, n)``: ``epoch`` in
-``[1, 2**23)`` is new per start and above the last start's (:func:`start_epoch`), ``n``
+``[1, 2**23)`` is new per start and above the last start's (:mod:`sglang_kvpub.publish.epoch`), ``n``
 counts 0, 1, 2, ... without holes.  Every ``heartbeat_s``
 an empty batch (``dp_rank`` None) goes out too; heartbeats take seqs and sit in the
 replay buffer like any batch, so seqs stay contiguous.  The first heartbeat is sent at
@@ -78,6 +78,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -86,6 +87,7 @@ import zmq
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.ratelimit import RateLimitedLog
 from sglang_kvpub.core.residency import RankResidency, raw_batch_decoder
+from sglang_kvpub.publish.epoch import EpochRecord, start_epoch
 from sglang_kvpub.publish.folded_view import FoldedStream
 from sglang_kvpub.publish.replay_server import ReplayServer
 from sglang_kvpub.publish.stream_sockets import bind_replay_router, open_pub
@@ -94,6 +96,7 @@ from sglang_kvpub.transport.channel import (
     ChannelPuller,
     default_channel_endpoint,
     parse_channel_message,
+    private_dir,
     resolve_channel_endpoint,
 )
 from sglang_kvpub.transport.curve import server_keys_from_files, start_authenticator
@@ -114,11 +117,10 @@ from sglang_kvpub.wire import (
     tag_payload,
 )
 
-__all__ = ["FanIn", "RankState", "default_channel_endpoint", "start_epoch"]
+__all__ = ["FanIn", "RankState", "default_channel_endpoint"]
 
 log = logging.getLogger(__name__)
 
-EPOCH_LIMIT = 1 << 23
 _CHANNEL_BURST = 512
 _PUBLISH_RUN = 32  # a long burst is published in runs: its first batches do not wait for the rest
 
@@ -152,7 +154,7 @@ class FanIn(ReplayServer):
     ) -> None:
         self.config = config
         self.dp_size = dp_size
-        self.epoch = start_epoch()
+        self.epoch = start_epoch(EpochRecord(config.endpoint, _record_dir()))
         self.channel_endpoint = channel_endpoint or resolve_channel_endpoint(config)
         self.listen_channel = listen_channel
         self.rank_timeout_s = rank_timeout_s if rank_timeout_s is not None else max(3.0 * config.heartbeat_s, 1.0)
@@ -717,26 +719,14 @@ class FanIn(ReplayServer):
             }
 
 
-_last_epoch = [0]  # per process
-
-
-def start_epoch(now: float | None = None) -> int:
-    """The epoch of a fan-in start: the start's wall-clock second, modulo ``2**23 - 1``, plus
-    one - and above the last epoch drawn in this process.
-
-    Why the clock and not a random draw: a reader that checks the seq only for "last + 1"
-    (Dynamo's indexer) drops every batch whose seq is lower than the last one it applied,
-    so a restart drawing a lower epoch would be ignored by it for good; a higher one is a
-    gap it answers with a replay request, which a new epoch turns into a snapshot.  A
-    restart takes seconds (a process start, SGLang's model load), so the next start's
-    second is later.  The count wraps every 2**23 - 1 seconds (97 days): the first restart
-    after a wrap is lower, once."""
-    seconds = int(time.time() if now is None else now)
-    epoch = seconds % (EPOCH_LIMIT - 1) + 1
-    if epoch <= _last_epoch[0] < epoch + (EPOCH_LIMIT >> 1):
-        epoch = _last_epoch[0] % (EPOCH_LIMIT - 1) + 1  # two starts in one second, one process
-    _last_epoch[0] = epoch
-    return epoch
+def _record_dir() -> Path | None:
+    """Where the epoch records live: the plugin's private directory, or None (this process's
+    memory) when it cannot be made."""
+    try:
+        return private_dir()
+    except OSError as exc:
+        log.warning("no private directory for the epoch record (%s): kept in this process only", exc)
+        return None
 
 
 _frozen = [False]  # per process

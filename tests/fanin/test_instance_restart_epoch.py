@@ -3,15 +3,17 @@
 Dynamo's indexer (``python -m dynamo.indexer`` 1.6.1) checks each batch's seq for "last + 1":
 a lower seq is dropped, a higher one is a gap it answers with a replay request.  So a
 restarted fan-in must start above the last one's seqs: the epoch comes from the start's
-wall-clock second (``fanin.start_epoch``), and a new epoch's replay is a snapshot that
-clears first.  Here: the epoch's rules, then Dynamo registered once on the folded view
-(with its replay endpoint) across a fan-in restart on the same ports - real rank
+wall-clock second, kept above the last start's on that endpoint (``publish.epoch``), and a
+new epoch's replay is a snapshot that clears first.  Here: the epoch's rules, then Dynamo
+registered once on the folded view (with its replay endpoint) across a fan-in restart on the same ports - real rank
 publishers, a real fan-in, loopback sockets.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +24,8 @@ from conftest import free_tcp_port
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.hashing import sequence_keys
-from sglang_kvpub.publish import fanin
-from sglang_kvpub.publish.fanin import EPOCH_LIMIT, FanIn, start_epoch
+from sglang_kvpub.publish.epoch import EPOCH_LIMIT, EpochRecord, start_epoch
+from sglang_kvpub.publish.fanin import FanIn
 from sglang_kvpub.publish.rank_publisher import RankPublisher
 
 BS = 4
@@ -31,16 +33,40 @@ DP = 2
 HAVE_DYNAMO = importlib.util.find_spec("dynamo") is not None and importlib.util.find_spec("dynamo.indexer") is not None
 
 
-def test_epochs_follow_the_clock_rise_within_one_second_and_wrap(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fanin, "_last_epoch", [0])  # a fresh process
-    assert start_epoch(now=1000.2) == 1001
-    assert start_epoch(now=1000.9) == 1002  # a second start in the same second: above the last
-    assert start_epoch(now=5000.0) == 5001  # a later start: the clock's
+def test_epochs_follow_the_clock_rise_within_one_second_and_wrap(tmp_path: Path) -> None:
+    record = EpochRecord("tcp://127.0.0.1:5557", tmp_path)
+    assert start_epoch(record, now=1000.2) == 1001
+    assert start_epoch(record, now=1000.9) == 1002  # a second start in the same second: above the last
+    assert start_epoch(record, now=5000.0) == 5001  # a later start: the clock's
     top = EPOCH_LIMIT - 2
-    assert start_epoch(now=float(top)) == EPOCH_LIMIT - 1
-    assert start_epoch(now=float(top + 1)) == 1  # the count wraps (once every 97 days)
-    now = start_epoch()
-    assert 0 < now < EPOCH_LIMIT and start_epoch() > now
+    assert start_epoch(record, now=float(top)) == EPOCH_LIMIT - 1
+    assert start_epoch(record, now=float(top + 1)) == 1  # the count wraps (once every 97 days)
+    other = EpochRecord("tcp://127.0.0.1:5558", tmp_path)
+    assert start_epoch(other, now=1.0) == 2  # each endpoint has its own record
+    now = start_epoch(EpochRecord("tcp://127.0.0.1:5559", tmp_path))
+    assert 0 < now < EPOCH_LIMIT and start_epoch(EpochRecord("tcp://127.0.0.1:5559", tmp_path)) > now
+
+
+def test_a_start_in_another_process_within_the_same_second_goes_above(tmp_path: Path) -> None:
+    """A supervisor restarting the sidecar at once: the new process reads the last epoch."""
+    endpoint = "tcp://127.0.0.1:5557"
+    first = start_epoch(EpochRecord(endpoint, tmp_path), now=7000.1)
+    code = (
+        "import sys; from pathlib import Path; from sglang_kvpub.publish.epoch import EpochRecord, start_epoch; "
+        "print(start_epoch(EpochRecord(sys.argv[1], Path(sys.argv[2])), now=7000.8))"
+    )
+    argv = [sys.executable, "-c", code, endpoint, str(tmp_path)]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True)
+    assert (first, int(out.stdout)) == (7001, 7002)
+
+
+def test_an_unreadable_record_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    record = EpochRecord("tcp://127.0.0.1:5557", tmp_path)
+    assert record.path is not None
+    record.path.write_text("not a number\n", encoding="ascii")
+    assert start_epoch(record, now=100.0) == 101
+    assert "not an epoch" in caplog.text
+    assert record.path.read_text(encoding="ascii") == "101\n"  # replaced by the start's
 
 
 def store(tokens: list[int]) -> wire.BlockStored:
