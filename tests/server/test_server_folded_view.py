@@ -28,16 +28,21 @@ a new process, a new fan-in epoch, every rank's cache empty) and one rank stores
   restart and no gap, instance-level or per rank; the same check over the recorded stream
   with one rank batch taken out reports that rank's gap.
 
-A clear of ONE rank is not reachable on the real server: SGLang 0.5.23's ``/flush_cache``
-(``FlushCacheReqInput``: a timeout, no rank) goes to every rank, and no other endpoint
-clears one rank's cache.  tests/fanin/test_folded_view.py covers a one-rank clear and a one-rank
-restart with real rank publishers and a real fan-in.
+Before that restart, rank 1's scheduler is killed (``kill -9``): its cache is gone with it,
+and the plugin's rank watch clears the rank on the instance stream (a new rank epoch whose
+one batch is ``AllBlocksCleared``).  The view must then remove the hashes only rank 1 held
+and keep those rank 0 holds too: Dynamo and the positional reader equal the truth (rank 0's
+tree).  That is the one-rank clear a real server reaches: SGLang 0.5.23's ``/flush_cache``
+(``FlushCacheReqInput``: a timeout, no rank) goes to every rank, and SGLang cannot restart one
+rank.  tests/fanin/test_folded_view.py covers a one-rank restart with real rank publishers and
+a real fan-in.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -218,6 +223,7 @@ def test_folded_view_of_a_real_dp2_server(rig: tuple[PluginRig, RawRecorder, Raw
         indexer.register(WORKER, folded, views["folded"]["replay_endpoint"])
     try:
         _run_phases(made, main, view, indexer)
+        _kill_rank1(made, main, view, indexer)
         _restart_the_instance(made, main, view, indexer)
     finally:
         if indexer is not None:
@@ -342,6 +348,39 @@ def check_like_tail(messages: list[tuple[int, bytes]]) -> dict[str, Any]:
             ranks.reset()
         ranks.observe(*wire.read_rank_order(payload))
     return {"instance_gaps": tracker.gaps, "instance_restarts": tracker.restarts, **ranks.as_dict()}
+
+
+def _kill_rank1(made: PluginRig, main: RawRecorder, view: RawRecorder, indexer: Any) -> None:
+    before = truth(main.messages())
+    # rank 1 alone holds B's own blocks, both hold the shared prefix: the clear must take B's
+    # own blocks away and keep the prefix (rank 0 holds it through A)
+    assert before["b"] > before["shared"] > 0 and before["a"] > before["shared"], before
+    rank1 = [
+        pid
+        for pid, title, _ in sglang_server.process_memory(made.server.proc.pid)
+        if title.startswith("sglang::scheduler_DP1")
+    ]
+    assert len(rank1) == 1, sglang_server.process_memory(made.server.proc.pid)
+    os.kill(rank1[0], signal.SIGKILL)
+    made.until(lambda: truth(main.messages())["b"] == before["shared"], "rank 1 cleared on the instance stream", 300.0)
+    settle(made, view)
+    want = truth(main.messages())
+    folded_reader = one_worker(view.messages(), positional=True)
+    row: dict[str, Any] = {
+        "phase": "rank 1 killed: the rank watch clears it",
+        "truth_before": before,
+        "truth": want,
+        "folded_positional": answers(folded_reader),
+        "folded_refused": folded_reader.refused,
+    }
+    if indexer is not None:
+        row["dynamo_folded"] = _dynamo_scores(indexer, want)
+    print(row)
+    assert want["a"] == before["a"] and want["shared"] == before["shared"], row  # rank 0's tree is untouched
+    assert answers(folded_reader) == want and folded_reader.refused == 0, row
+    assert folded_reader.parent_not_found == 0, row
+    if indexer is not None:
+        assert row["dynamo_folded"]["got"] == row["dynamo_folded"]["expected"], (row, indexer.log()[-3000:])
 
 
 def _restart_the_instance(made: PluginRig, main: RawRecorder, view: RawRecorder, indexer: Any) -> None:
