@@ -257,6 +257,15 @@ class ServerSpec:
         return env
 
 
+def scheduler_pid(server_pid: int, dp_rank: int) -> int:
+    """The pid of DP rank ``dp_rank``'s scheduler under the server ``server_pid`` (found by the
+    title SGLang gives it), to kill one rank."""
+    found = [p for p, title, _ in process_memory(server_pid) if title.startswith(f"sglang::scheduler_DP{dp_rank}")]
+    if len(found) != 1:
+        raise LookupError(f"{len(found)} schedulers of DP rank {dp_rank}: {process_memory(server_pid)}")
+    return found[0]
+
+
 def process_memory(pid: int) -> list[tuple[int, str, int]]:
     """``(pid, title, RSS bytes)`` of ``pid`` and every descendant (SGLang titles its
     processes ``sglang::scheduler_DP<r>...``, ``sglang::data_parallel_controller``...)."""

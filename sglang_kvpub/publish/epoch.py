@@ -94,10 +94,9 @@ class EpochRecord:
             )
 
 
-def start_epoch(record: EpochRecord | None = None, now: float | None = None) -> int:
+def start_epoch(record: EpochRecord, now: float | None = None) -> int:
     """The epoch of a fan-in start: the start's wall-clock second, modulo ``2**23 - 1``, plus
-    one - and above the last epoch in ``record`` (the process-wide default record without one)."""
-    record = record if record is not None else EpochRecord("", None)
+    one - and above the last epoch in ``record``."""
     seconds = int(time.time() if now is None else now)
     epoch = _next_above(seconds % (EPOCH_LIMIT - 1) + 1, record.last())
     record.store(epoch)

@@ -436,10 +436,7 @@ def test_a_prefill_rank_killed_ends_its_requests_and_the_instance_serves_on(rig:
     victim = 1 - holder[0]  # the other instance: the held prompt's instance keeps serving
     server = pd.prefills[victim]
     assert server.proc is not None
-    rank1 = [
-        p for p, title, _ in sglang_server.process_memory(server.proc.pid) if title.startswith("sglang::scheduler_DP1")
-    ]
-    assert len(rank1) == 1, sglang_server.process_memory(server.proc.pid)
+    rank1 = sglang_server.scheduler_pid(server.proc.pid, 1)
     host = server.spec.host
     # A prompt held on the rank about to die, known to the adapter there.
     on_rank1 = e2e_rig.prompt_text(4739, WORDS)
@@ -450,7 +447,7 @@ def test_a_prefill_rank_killed_ends_its_requests_and_the_instance_serves_on(rig:
     pd.wait_for(lambda: pd.held_on(ids1, victim, 1), "the adapter's hit on the dead-to-be rank", 300)
     to_prefill, to_decode = _send(rig, victim, _pd_body(rig, e2e_rig.prompt_text(4741, WORDS), host, 1), to_decode=True)
     assert to_decode is not None
-    os.kill(rank1[0], signal.SIGKILL)
+    os.kill(rank1, signal.SIGKILL)
     assert to_prefill.done.wait(600), "the request in flight on the dead rank was never answered"
     assert to_prefill.status == 503 and "DP rank 1 of this instance is dead" in to_prefill.body, to_prefill.body
     # Its cache is gone with it: the instance stream cleared the rank, the adapter dropped it.

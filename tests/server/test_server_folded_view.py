@@ -355,13 +355,7 @@ def _kill_rank1(made: PluginRig, main: RawRecorder, view: RawRecorder, indexer: 
     # rank 1 alone holds B's own blocks, both hold the shared prefix: the clear must take B's
     # own blocks away and keep the prefix (rank 0 holds it through A)
     assert before["b"] > before["shared"] > 0 and before["a"] > before["shared"], before
-    rank1 = [
-        pid
-        for pid, title, _ in sglang_server.process_memory(made.server.proc.pid)
-        if title.startswith("sglang::scheduler_DP1")
-    ]
-    assert len(rank1) == 1, sglang_server.process_memory(made.server.proc.pid)
-    os.kill(rank1[0], signal.SIGKILL)
+    os.kill(sglang_server.scheduler_pid(made.server.proc.pid, 1), signal.SIGKILL)
     made.until(lambda: truth(main.messages())["b"] == before["shared"], "rank 1 cleared on the instance stream", 300.0)
     settle(made, view)
     want = truth(main.messages())
