@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from motor_adapter import metrics
 from motor_adapter.rank_loads import InstanceLoads
+from motor_adapter.rank_render import AnswerTally
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import TierCounts
 from sglang_kvpub.core.tiers import TIERS
@@ -59,6 +60,20 @@ class HitTally(NamedTuple):
     best: int
 
 
+class _ModelCells:
+    """A model's series on the query hot path, and its queried and hit blocks not yet added
+    to them: summed here and added when the counters are read (a lock per add in the library)."""
+
+    __slots__ = ("blocks", "hit", "hits", "latency", "queried")
+
+    def __init__(self, latency: metrics.HistogramSeries, queried: Any, hit: Any) -> None:
+        self.latency = latency
+        self.queried = queried  # query_blocks' series
+        self.hit = hit  # hit_blocks' series
+        self.blocks = 0
+        self.hits = 0
+
+
 def _hit_labels(instance: str, dp: str, rank: int, tier: int) -> metrics.Labels:
     """``instance_hits``' label set, sorted by name as ``Counter.inc`` sorts them."""
     return (("dp", dp), ("engine_dp_rank", str(rank)), ("instance", instance), ("tier", _TIERS[tier][0]))
@@ -94,8 +109,13 @@ class AdapterMetrics:
         self._scored_cells: dict[tuple[str, int], Any] = {}
         self._missed: dict[tuple[str, str], list[float]] = {}  # (model, tenant) -> [next log time, count since]
         # Resolved series of the query hot path, per model and per (instance, dp key, engine rank).
-        # (the latency histogram's series, query_blocks' cell, hit_blocks' cell) per model
-        self._model_cells: dict[str, tuple[Any, Any, Any]] = {}
+        self._model_cells: dict[str, _ModelCells] = {}
+        self.query_blocks.fold_before_read(self._fold_query_blocks)
+        self.hit_blocks.fold_before_read(self._fold_query_blocks)
+        # The rank-aware answers rendered in C count their hits and scored tokens here.
+        self.answer_tally = AnswerTally()
+        self.instance_hits.fold_before_read(self.answer_tally.fold)
+        self.scored_tokens.fold_before_read(self.answer_tally.fold)
         self._repeat_hits = self.instance_hits.repeat
         self._repeat_scored = self.scored_tokens.repeat
         self._hit_cells: dict[tuple[str, str, int], list[Any]] = {}
@@ -164,14 +184,25 @@ class AdapterMetrics:
         per_model = self._model_cells.get(model)
         if per_model is None:
             if len(self._model_cells) >= LABELS_MAX:
+                self._fold_query_blocks()
                 self._model_cells.clear()  # only a cache: the counters keep their series
             labels: metrics.Labels = (("model", model),)
-            queried_cell, hit_cell = self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
-            per_model = self._model_cells[model] = (self.latency.series(labels), queried_cell, hit_cell)
-        latency, queried, hit_blocks = per_model
-        latency.observe(time.perf_counter() - started)
-        queried.inc(blocks)
-        hit_blocks.inc(best if best < blocks else blocks)
+            per_model = self._model_cells[model] = _ModelCells(
+                self.latency.series(labels), self.query_blocks.cell(labels), self.hit_blocks.cell(labels)
+            )
+        per_model.latency.observe(time.perf_counter() - started)
+        per_model.blocks += blocks
+        per_model.hits += best if best < blocks else blocks
+
+    def _fold_query_blocks(self) -> None:
+        """The queried and hit blocks summed since the last read, added to their series."""
+        for per_model in self._model_cells.values():
+            if per_model.blocks:
+                per_model.queried.inc(per_model.blocks)
+                per_model.blocks = 0
+            if per_model.hits:
+                per_model.hit.inc(per_model.hits)
+                per_model.hits = 0
 
     def missed_registration(self, model: str, tenant: str) -> None:
         """Counts a query nothing is registered for; logs it once per interval per (model, tenant)."""

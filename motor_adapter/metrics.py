@@ -1,12 +1,13 @@
 """The adapter's metric types on ``prometheus-client``: what the service's modules register.
 
-``prometheus-client`` keeps the counts and histograms and writes the text exposition (format
-0.0.4); this module only keeps the project's calling convention, where a series' labels are
-given as keywords at the first count (``counter.inc(path="/query", status=200)``) rather
-than declared up front: a metric's label names are fixed by its first use, sorted by name.
+``prometheus-client`` keeps the counters and writes the text exposition (format 0.0.4);
+this module keeps the project's calling convention, where a series' labels are given as
+keywords at the first count (``counter.inc(path="/query", status=200)``) rather than
+declared up front: a metric's label names are fixed by its first use, sorted by name.
 
-- :class:`Counter` and :class:`Histogram` wrap the library's own types.  A hot path resolves
-  a series once (:meth:`Counter.cell`, :meth:`Histogram.series`: the library's child) and
+- :class:`Counter` wraps the library's own type; :class:`Histogram` counts its buckets here
+  and hands them to the library as a custom collector's family.  A hot path resolves a
+  series once (:meth:`Counter.cell`: the library's child; :meth:`Histogram.series`) and
   counts on it with no label handling per count.
 - :class:`Gauge` holds figures set at scrape time (stream health, rank loads, the registry):
   a custom collector's family, typed as a counter when the figure is one (``kind``).
@@ -14,15 +15,17 @@ than declared up front: a metric's label names are fixed by its first use, sorte
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Union
 
 import prometheus_client
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
-__all__ = ["Counter", "Gauge", "Histogram", "Labels", "Registry", "LATENCY_BUCKETS_S"]
+__all__ = ["Counter", "Gauge", "Histogram", "HistogramSeries", "Labels", "Registry", "LATENCY_BUCKETS_S"]
 
 # The exposition keeps the series it always had: no ``*_created`` sample beside each counter
 # and histogram (process-wide, as the library offers it; the adapter's process is its own).
@@ -92,6 +95,7 @@ class Counter(_Wrapped):
             raise ValueError(f"{name}: a counter's name ends in _total (the library would append it)")
         super().__init__(name, help_text)
         self._repeats: dict[int, tuple[Adds, list[int]]] = {}  # id(adds) -> (adds, [times]): see repeat()
+        self._before_read: list[Callable[[], None]] = []
 
     def _make(self, names: tuple[str, ...]) -> Any:
         return prometheus_client.Counter(self.name, self.help, names, registry=None)
@@ -124,6 +128,11 @@ class Counter(_Wrapped):
             self._fold()
         self._repeats[id(adds)] = (adds, [1])
 
+    def fold_before_read(self, fold: Callable[[], None]) -> None:
+        """Calls ``fold`` before every read: a hot path that keeps its own counts (adds made
+        later, :class:`motor_adapter.rank_render.AnswerTally`) adds them to the series then."""
+        self._before_read.append(fold)
+
     def _fold(self) -> None:
         repeats, self._repeats = self._repeats, {}
         for adds, times in repeats.values():
@@ -131,6 +140,8 @@ class Counter(_Wrapped):
                 cell.inc(amount * times[0])
 
     def collect(self) -> Iterator[Metric]:
+        for fold in self._before_read:
+            fold()
         if self._repeats:
             self._fold()
         yield from super().collect()
@@ -143,32 +154,70 @@ class Counter(_Wrapped):
         return self.items().get(_key(labels), 0.0)
 
 
-class Histogram(_Wrapped):
+class HistogramSeries:
+    """One histogram series' counts (the bucket an observation falls in, the sum), counted
+    on the event loop's thread as every hot-path series is and read when scraped."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # a bucket holds values <= its bound
+        self.sum += value
+
+
+class Histogram:
+    """Counted here (:class:`HistogramSeries`: a bisect and two adds), written by the library
+    as a custom collector's histogram family: the library's own histogram takes a lock for
+    the bucket and one for the sum on every observation, on ``/query``'s hot path
+    (docs/perf/query-cpu.md)."""
+
     kind = "histogram"
 
     def __init__(self, name: str, help_text: str, buckets: Sequence[float] = LATENCY_BUCKETS_S) -> None:
-        super().__init__(name, help_text)
+        self.name = name
+        self.help = help_text
         self.buckets = tuple(sorted(buckets))
-
-    def _make(self, names: tuple[str, ...]) -> Any:
-        return prometheus_client.Histogram(self.name, self.help, names, registry=None, buckets=self.buckets)
-
-    def _empty(self) -> Metric:
-        return HistogramMetricFamily(self.name, self.help, labels=())
+        self._le = [*(floatToGoString(b) for b in self.buckets), "+Inf"]
+        self._names: Union[tuple[str, ...], None] = None
+        self._series: dict[Labels, HistogramSeries] = {}
 
     def observe(self, value: float, **labels: object) -> None:
-        self._child(_key(labels)).observe(value)
+        self.series(_key(labels)).observe(value)
 
     def observe_labels(self, value: float, labels: Labels) -> None:
-        self._child(labels).observe(value)
+        self.series(labels).observe(value)
 
-    def series(self, labels: Labels) -> Any:
-        """The series' histogram (``labels`` as for ``Counter.inc_labels``; created with none):
-        a caller that keeps it observes with ``series.observe(value)``, as :meth:`Counter.cell`."""
-        return self._child(labels)
+    def series(self, labels: Labels) -> HistogramSeries:
+        """The series (``labels`` as for ``Counter.inc_labels``; created with none): a caller
+        that keeps it observes with ``series.observe(value)``, as :meth:`Counter.cell`."""
+        found = self._series.get(labels)
+        if found is None:
+            names = tuple(k for k, _ in labels)
+            if self._names is None:
+                self._names = names
+            elif names != self._names:
+                raise ValueError(f"{self.name}: labels {names} where its first use gave {self._names}")
+            found = self._series[labels] = HistogramSeries(self.buckets)
+        return found
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.help, labels=self._names or ())
+        for labels, series in self._series.items():
+            total, buckets = 0, []
+            for le, count in zip(self._le, series.counts, strict=True):
+                total += count
+                buckets.append((le, float(total)))
+            family.add_metric([v for _, v in labels], buckets, sum_value=series.sum)
+        yield family
 
     def count(self, **labels: object) -> int:
-        return int(self._samples("_count").get(_key(labels), 0.0))
+        found = self._series.get(_key(labels))
+        return sum(found.counts) if found is not None else 0
 
 
 class Gauge:

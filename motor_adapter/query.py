@@ -154,8 +154,7 @@ def _rank_aware(
             got = rank_render.render(static, table, book, now, isl, spread)
             if got:
                 json, best_blocks, until, plan = got
-                counters = (metrics.instance_hits.repeat, metrics.scored_tokens.repeat)
-                made = rank_render.effects(static, table, book, plan, *counters)
+                made = rank_render.effects(static, table, book, plan, metrics.answer_tally)
                 entry.last = LastRender(isl, spread, changes, until, best_blocks, Answer(None, {JSON_TYPE: json}), made)
                 return entry.last
     tokens, until = book.tokens(view.rank_streams, now)

@@ -8,8 +8,9 @@ JSON bytes msgspec would write for that dict, so a new prompt's answer costs no 
 instance.  This module builds its inputs: once per view (the instances' JSON names) and
 once per walk result (each instance's hits as tuples, and the metrics series of the ranks
 answers name, resolved on first use).  The answer's side effects - the commit of its prompt
-to the rank it names, its metrics - are made here in Python (:func:`effects`), as the
-reference makes them: the C only reads.  When the helper is not built, ``KVPUB_NATIVE=0`` is
+to the rank it names, its metrics - are made here in Python (:func:`effects`; the metrics
+counted by :class:`AnswerTally` and added to their series when read), as the reference makes
+them: the C only reads.  When the helper is not built, ``KVPUB_NATIVE=0`` is
 set, or it declines an answer (a figure that would not render exactly), the reference runs.
 """
 
@@ -26,13 +27,22 @@ from motor_adapter.rank_loads import RankLoadBook
 from sglang_kvpub.core.rank_cost import CostParams
 from sglang_kvpub.core.tiers import TierHit
 
-__all__ = ["NATIVE", "Effects", "RankStatic", "RankTable", "Rendered", "effects", "render", "renders", "static_inputs"]
+__all__ = [
+    "NATIVE",
+    "AnswerTally",
+    "Effects",
+    "RankStatic",
+    "RankTable",
+    "Rendered",
+    "effects",
+    "render",
+    "renders",
+    "static_inputs",
+]
 
 
 NATIVE: Any = native.MODULE  # the router's C helpers, or None (the reference answers)
 
-_COUNTS_MAX = 256  # counted-instance tuples remembered per walk result
-Adds = tuple[tuple[Any, int], ...]  # (a counter's series, the amount added) pairs
 # (adds of the instance-hit counters, the scored-tokens counter's series or None) of one rank
 Cells = tuple[tuple[tuple[Any, int], ...], Any]
 
@@ -83,7 +93,7 @@ class RankTable:
     ``(rank, npu, cpu, disk)`` hits), and the metrics cells of each instance's ranks
     (``cells[i]``: rank -> :data:`Cells`, filled by ``resolve(i, rank)``)."""
 
-    __slots__ = ("all_hits", "best", "board", "cells", "counts", "resolve")
+    __slots__ = ("all_hits", "best", "board", "cells", "resolve", "waiting")
 
     def __init__(
         self,
@@ -111,9 +121,9 @@ class RankTable:
             ).tobytes()
         self.board = bytes(board)
         self.cells: tuple[dict[int, Cells], ...] = tuple({} for _ in static.names)
-        # An answer's counted instances -> (their hit adds, their scored-token adds): answers of
-        # one walk result name few distinct rank choices, so a new prompt's resolves none.
-        self.counts: dict[bytes, tuple[Adds, Adds]] = {}
+        # The counted instances of this table's answers not yet added to the counters -> how many
+        # answers named them (:class:`AnswerTally`).
+        self.waiting: dict[bytes, int] = {}
         self.resolve = lambda i, rank: resolve(self, i, rank)
 
 
@@ -143,49 +153,69 @@ def render(
     return got
 
 
-def effects(
-    static: RankStatic,
-    table: RankTable,
-    book: RankLoadBook,
-    plan: Plan,
-    count_hits: Callable[[tuple[tuple[Any, int], ...]], None],
-    count_scored: Callable[[tuple[tuple[Any, int], ...]], None],
-) -> Effects:
-    """The side effects of an answer of ``table`` (its :data:`Plan`), resolved once and bound:
-    called with the prompt's commit key, they count each instance's own hit on its scored
-    rank (``count_hits``) and the tokens scored as hits (``count_scored``), both as
-    ``metrics.Counter.repeat`` adds, and commit the prompt's uncached tokens to the rank the
-    answer names (:meth:`RankLoadBook.commit`) - the same calls, in the same order, as the
-    reference's answer makes."""
+def effects(static: RankStatic, table: RankTable, book: RankLoadBook, plan: Plan, tally: AnswerTally) -> Effects:
+    """The side effects of an answer of ``table`` (its :data:`Plan`), bound: called with the
+    prompt's commit key, they count the answer's metrics (each instance's own hit on its scored
+    rank and the tokens scored as hits, through ``tally``) and commit the prompt's uncached
+    tokens to the rank the answer names (:meth:`RankLoadBook.commit`), as the reference's
+    answer does."""
     chosen, rank, tokens, counted = plan
-    found = table.counts.get(counted)
-    if found is None:
-        hits: list[tuple[Any, int]] = []
-        scored: list[tuple[Any, int]] = []
-        triples = array("q", counted)
-        for k in range(0, len(triples), 3):
-            i, at, matched = triples[k], triples[k + 1], triples[k + 2]
-            cells = table.cells[i].get(at)
-            if cells is None:
-                cells = table.cells[i][at] = table.resolve(i, at)
-            hits.extend(cells[0])
-            if matched > 0 and cells[1] is not None:
-                scored.append((cells[1], matched))
-        if len(table.counts) >= _COUNTS_MAX:
-            table.counts.clear()
-        found = table.counts[counted] = (tuple(hits), tuple(scored))
-    hit_adds, scored_adds = found
-    stream, commit = static.streams[chosen], book.commit
+    stream, commit, count = static.streams[chosen], book.commit, tally.count
 
     def make(prompt: int) -> None:
-        if hit_adds:
-            count_hits(hit_adds)
-        if scored_adds:
-            count_scored(scored_adds)
+        count(table, counted)
         if rank >= 0:
             commit(stream, rank, tokens, prompt)
 
     return make
+
+
+class AnswerTally:
+    """The metrics of rendered answers, kept as counts of each table's counted instances and
+    added to the counters' series when they are read (:meth:`fold`, which the counters call
+    before every read) or when ``max_waiting`` distinct ones wait.  A new prompt's answer then
+    costs one dict add; resolving its instances' series and adding to each one costs a lock
+    per series, and a new prompt with rank loads flowing names a new mix of ranks nearly every
+    time.  Integer amounts: the series end with the sums they would have had added one by one."""
+
+    def __init__(self, max_waiting: int = 1024) -> None:
+        self.max_waiting = max_waiting
+        self._tables: list[RankTable] = []  # the tables with counts waiting, each once
+        self._waiting = 0
+
+    def count(self, table: RankTable, counted: bytes) -> None:
+        """One more answer of ``table`` whose counted instances are ``counted`` (a :data:`Plan`'s)."""
+        waiting = table.waiting
+        if not waiting:
+            self._tables.append(table)
+        times = waiting.get(counted)
+        if times is None:
+            waiting[counted] = 1
+            self._waiting += 1
+            if self._waiting >= self.max_waiting:
+                self.fold()
+        else:
+            waiting[counted] = times + 1
+
+    def fold(self) -> None:
+        """Adds every waiting count to the counters' series (the hit tiers, the scored tokens)."""
+        tables, self._tables, self._waiting = self._tables, [], 0
+        adds: dict[Any, int] = {}  # one add per series
+        for table in tables:
+            waiting, table.waiting = table.waiting, {}
+            for counted, times in waiting.items():
+                triples = array("q", counted)
+                for k in range(0, len(triples), 3):
+                    i, at, matched = triples[k], triples[k + 1], triples[k + 2]
+                    cells = table.cells[i].get(at)
+                    if cells is None:
+                        cells = table.cells[i][at] = table.resolve(i, at)
+                    for cell, amount in cells[0]:
+                        adds[cell] = adds.get(cell, 0) + amount * times
+                    if matched > 0 and cells[1] is not None:
+                        adds[cells[1]] = adds.get(cells[1], 0) + matched * times
+        for cell, amount in adds.items():
+            cell.inc(amount)
 
 
 def renders(params: CostParams) -> bool:
