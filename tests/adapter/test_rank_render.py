@@ -84,8 +84,10 @@ def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
         elif op < 0.35:
             i = rng.randrange(count)
             if sizes[i]:
-                # figures across decimal carries and digit counts (the C renderer prints digits in pairs)
+                # figures across decimal carries and digit counts (the C renderer prints digits in
+                # pairs), exact ties of the tenths (rounded to even), and a subnormal
                 edges = (9.96, 99.96, 1_000.0, 9_999_999.97, 10_000_000.0, 1e14 + 0.1)
+                edges += (0.25, 0.75, 2.25, 0.125, 0.375, 1e14 + 0.25, 5e-324)
                 choices = (0.0, 0.0, 64.0, 500.0, rng.uniform(0, 1e5), 1e13 + 0.05, rng.choice(edges))
                 loads = [rng.choice(choices) for _ in range(sizes[i])]
                 affinity.loads.apply(_url(i), _report(loads), now=rng.choice((None, 0.0)))  # 0.0: stale at once
