@@ -120,6 +120,37 @@ def test_the_c_renderer_answers_commits_and_counts_as_the_reference(seed: int, m
     assert rendered[1] == reference[1]
 
 
+def _loads_answered(values: list[float], native: bool, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The JSON of one answer per load in ``values`` (a new report each), by the C renderer or
+    by the reference."""
+    monkeypatch.setattr(rank_render, "NATIVE", rank_render.NATIVE if native else None)
+    state, affinity = _state(1, KvAffinityConfig(block_size=BS), ["a"])
+    prompt = list(range(1, 1 + 2 * BS))
+    keys = sequence_keys(prompt, BS)
+    out = []
+    for value in values:
+        affinity.loads.apply(_url(0), _report([value]))
+        answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), 3)
+        out.append(answer.encoded.get(JSON_TYPE) or msgspec.json.encode(answer.body))
+    return out
+
+
+@needs_native
+@pytest.mark.unit
+def test_a_figure_printed_again_reads_as_printed_first_whatever_came_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The renderer keeps the text of the figures it printed last, by value: more distinct
+    values than it keeps, each printed again after others took its place and right after
+    itself, read byte for byte as the reference prints them."""
+    rng = random.Random(5)
+    values = [rng.uniform(0, 1e6) for _ in range(300)] + [rng.randrange(10**6) + 0.05 for _ in range(100)]
+    sequence = values + values[::-1] + [v for v in values for _ in range(2)]
+    rendered = _loads_answered(sequence, True, monkeypatch)
+    assert rendered == _loads_answered(sequence, False, monkeypatch)
+    assert b'"rank_load":%s' % str(round(values[0], 1)).encode() in rendered[0]
+
+
 def _b_holds_the_prompt_on_its_busy_rank() -> tuple[AdapterState, KvAffinity, list[int]]:
     """Instances "a" (two idle ranks) and "b" (rank 1 holds a 4-block prompt, load 30)."""
     state, affinity = _state(2, KvAffinityConfig(block_size=BS), ["a", "b"])
