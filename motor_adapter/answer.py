@@ -268,10 +268,10 @@ def _score(
         matched = matched_tokens(hit, cfg, isl)
         cost = cfg.prefill_load_scale * prefill_cost(matched, cfg, isl)
         return RankScored(found[0] if found else None, hit, matched, cost), longest
-    loads = book.current(figures, stream)
+    loads, total = book.current(figures, stream)
     tiers = {r: (h.npu_blocks, h.cpu_blocks, h.disk_blocks) for r, h in ranks.items() if r < size}
     chosen = score_ranks(tiers, loads, list(range(size)), spread_start(spread, size), isl, params)
-    scored = RankScored(chosen.rank, ranks.get(chosen.rank), chosen.matched, chosen.cost, sum(loads), chosen.load)
+    scored = RankScored(chosen.rank, ranks.get(chosen.rank), chosen.matched, chosen.cost, total, chosen.load)
     return scored, longest
 
 

@@ -1,11 +1,12 @@
 """``POST /query``'s HTTP part: the body read into a :class:`Prompt`, the answer encoded.
 
 A msgpack body of token ids (Motor's) goes through the router's C helpers in one call
-(``take_query_keys``: ids split off, range-checked and hashed into block keys; the leading
-blocks a recent body shares byte for byte, and a body sent again whole, come from the
-handler's ``QueryKeysMemo`` instead, docs/native.md).  Any other body - JSON, a prompt or
-messages to tokenize, a build without the helpers - is decoded by msgspec, tokenized off the
-event loop when it needs the tokenizer, and hashed.  The answer itself is
+(:meth:`QueryReader.hashed`, ``take_query_keys``: ids split off, range-checked and hashed
+into block keys; the leading blocks a recent body shares byte for byte, and a body sent again
+whole, come from the handler's ``QueryKeysMemo`` instead, docs/native.md).  Any other body -
+JSON, a prompt or messages to tokenize, a build without the helpers - is decoded by msgspec,
+tokenized off the event loop when it needs the tokenizer, and hashed
+(:meth:`QueryReader.prompt`).  The answer itself is
 :meth:`motor_adapter.state.AdapterState.answer_keys` (:mod:`motor_adapter.query`).
 """
 
@@ -76,19 +77,27 @@ class QueryReader:
         # system prompt) repeats byte for byte, and for a body sent again whole.
         self.memo = self._native.QueryKeysMemo() if self._native else None
 
-    async def prompt(self, raw: bytes, is_msgpack: bool) -> Prompt:
+    def hashed(self, raw: bytes, is_msgpack: bool) -> Union[Prompt, None]:
+        """The prompt of a msgpack body of token ids, read by the C helpers in one call (no
+        coroutine: every Motor query takes this path); None when :meth:`prompt` must read it."""
         memo = self.memo
-        if is_msgpack and memo is not None:
-            split = take_query_keys(raw, self._native, hashing.BASE_SEED, memo)
-            if type(split) is Prompt:  # these exact bytes were read before: their prompt
-                return split
-            if type(split) is tuple:
-                rest, keys, count, spread, size = split
-                model, tenant, block_size = parse(rest, True, self._msgpack, self._json).common()
-                if block_size == size:  # C read the block size the decoder read (else the path below)
-                    prompt = Prompt(model, tenant, size, keys, count // size, count, spread)
-                    memo.attach(raw, prompt)  # for the same bytes again (a remembered body only)
-                    return prompt
+        if not is_msgpack or memo is None:
+            return None
+        split = take_query_keys(raw, self._native, hashing.BASE_SEED, memo)
+        if type(split) is Prompt:  # these exact bytes were read before: their prompt
+            return split
+        if type(split) is tuple:
+            rest, keys, count, spread, size = split
+            model, tenant, block_size = parse(rest, True, self._msgpack, self._json).common()
+            if block_size == size:  # C read the block size the decoder read (else the path below)
+                prompt = Prompt(model, tenant, size, keys, count // size, count, spread)
+                memo.attach(raw, prompt)  # for the same bytes again (a remembered body only)
+                return prompt
+        return None
+
+    async def prompt(self, raw: bytes, is_msgpack: bool) -> Prompt:
+        """Any body's prompt: JSON, a prompt or messages to tokenize (off the event loop), a
+        build without the C helpers, or a msgpack body :meth:`hashed` did not read."""
         taken, rest = take_token_ids(raw, self._native) if is_msgpack and self._native else (None, raw)
         body = parse(rest, is_msgpack, self._msgpack, self._json)
         model, tenant, block_size = body.common()

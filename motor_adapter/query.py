@@ -27,7 +27,7 @@ from motor_adapter.answer import (
     longest_hit_answer,
     rank_answer,
 )
-from motor_adapter.query_cache import LastRender, QueryCache, WalkEntry
+from motor_adapter.query_cache import Effects, LastRender, QueryCache, WalkEntry
 from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import KvAffinityConfig, TierCounts, best_rank, matched_tokens
@@ -106,9 +106,9 @@ def answer(
         now = time.monotonic()
         walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (nothing is cached then)
         entry = view.cache.entry(walk) if walk is not None else None
-        ranked = _rank_aware(view, metrics, entry, keys, isl, spread, changes, now)
+        # The commit's key: a prompt is committed once between two reports of an instance.
+        ranked = _rank_aware(view, metrics, entry, keys, isl, spread, changes, now, keys[-1] if keys else spread)
         if ranked is not None:
-            ranked.effects(keys[-1] if keys else spread)  # the commit's key: once per prompt between two reports
             metrics.observe_query(model, ranked.blocks, blocks, started)
             return ranked.answer
     walk, remembered = best_ranks(view, keys)
@@ -130,18 +130,21 @@ def _rank_aware(
     spread: int,
     changes: int,
     now: float,
+    prompt: int,
 ) -> Union[LastRender, None]:
-    """The rank-aware answer with its side effects bound, None when no instance has fresh
-    loads: the walk result's last one again while it holds (:meth:`LastRender.holds`), else
-    rendered in C when the view renders there, else :func:`answer.rank_answer` in Python
-    (the reference: where C declines, or a figure would not print exactly).  ``entry``: the
-    walk result's cache entry (None: CPU or disk hold blocks, nothing is kept)."""
+    """The rank-aware answer, its side effects made (its metrics counted, ``prompt``
+    committed), None when no instance has fresh loads: the walk result's last one again
+    while it holds (:meth:`LastRender.holds`), else rendered in C when the view renders
+    there, else :func:`answer.rank_answer` in Python (the reference: where C declines, or a
+    figure would not print exactly).  ``entry``: the walk result's cache entry (None: CPU or
+    disk hold blocks, nothing is kept)."""
     affinity = view.affinity
     assert affinity is not None
     book = affinity.loads
     if entry is not None:
         last = entry.last
         if last is not None and last.holds(isl, spread, changes, now):
+            _redo(view, last, book, metrics, prompt)
             return last
         static = view.rank_static
         if static is not None:
@@ -154,9 +157,10 @@ def _rank_aware(
             got = rank_render.render(static, table, book, now, isl, spread)
             if got:
                 json, best_blocks, until, plan = got
-                made = rank_render.effects(static, table, book, plan, metrics.answer_tally)
-                entry.last = LastRender(isl, spread, changes, until, best_blocks, Answer(None, {JSON_TYPE: json}), made)
-                return entry.last
+                rendered = Answer(None, {JSON_TYPE: json})
+                done = entry.last = LastRender(isl, spread, changes, until, best_blocks, rendered, None, table, plan)
+                rank_render.apply(static, table, book, plan, metrics.answer_tally, prompt)
+                return done
     tokens, until = book.tokens(view.rank_streams, now)
     fresh = [token is not None for token in tokens]
     if not any(fresh):
@@ -169,7 +173,18 @@ def _rank_aware(
     done = LastRender(isl, spread, changes, until, ranked.tally.best, ranked.answer, _effects(ranked, book, metrics))
     if entry is not None:
         entry.last = done
+    _redo(view, done, book, metrics, prompt)
     return done
+
+
+def _redo(view: View, last: LastRender, book: RankLoadBook, metrics: AdapterMetrics, prompt: int) -> None:
+    """The side effects of serving ``last`` (again) for ``prompt``: the reference's bound
+    ones, else the C answer's through :func:`rank_render.apply`."""
+    if last.effects is not None:
+        last.effects(prompt)
+    else:
+        assert view.rank_static is not None and last.table is not None and last.plan is not None
+        rank_render.apply(view.rank_static, last.table, book, last.plan, metrics.answer_tally, prompt)
 
 
 def _hits(entry: WalkEntry, affinity: KvAffinity, keys: list[int]) -> Mapping[str, Mapping[int, TierCounts]]:
@@ -179,7 +194,7 @@ def _hits(entry: WalkEntry, affinity: KvAffinity, keys: list[int]) -> Mapping[st
     return entry.hits
 
 
-def _effects(ranked: RankAnswered, book: RankLoadBook, metrics: AdapterMetrics) -> rank_render.Effects:
+def _effects(ranked: RankAnswered, book: RankLoadBook, metrics: AdapterMetrics) -> Effects:
     """What serving the Python answer ``ranked`` does, bound: count its hits and scored tokens,
     and commit the prompt's uncached part to the rank it names (Motor picks this instance and
     its dispatcher this rank), counted there until the instance's next report."""

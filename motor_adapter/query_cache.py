@@ -22,7 +22,7 @@ over.  What an entry holds (each filled on first use):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Union
 
 from motor_adapter import rank_render
@@ -30,7 +30,10 @@ from motor_adapter.adapter_metrics import HitTally
 from motor_adapter.answer import Answer
 from motor_adapter.scoring import TierCounts
 
-__all__ = ["LastRender", "QueryCache", "WalkEntry"]
+__all__ = ["Effects", "LastRender", "QueryCache", "WalkEntry"]
+
+# The reference answer's side effects, bound once: called with the prompt's commit key.
+Effects = Callable[[int], None]
 
 
 class LastRender(NamedTuple):
@@ -42,7 +45,12 @@ class LastRender(NamedTuple):
     until: float  # monotonic: the first fresh instance going stale
     blocks: int  # the largest hit's blocks (the query's hit-blocks metric)
     answer: Answer
-    effects: rank_render.Effects  # its commit and metrics, made again for each query it answers
+    # Its commit and metrics, made again for each query it answers: the reference's bound
+    # (effects), or the C answer's table and plan (rank_render.apply makes them; no object
+    # per answer on the path every new prompt takes).
+    effects: Union[Effects, None] = None
+    table: Union[rank_render.RankTable, None] = None
+    plan: Union[rank_render.Plan, None] = None
 
     def holds(self, isl: int, spread: int, changes: int, now: float) -> bool:
         return self.isl == isl and self.spread == spread and self.changes == changes and now < self.until

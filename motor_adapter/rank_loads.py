@@ -53,9 +53,10 @@ class LiveLoads:
     """One instance's loads as ``/query`` scores them (:meth:`RankLoadBook.live`): the report's
     receipt time (monotonic), each rank's current load (the report's plus what was committed
     to it since: ``loads``, an ``array("d")`` the C renderer reads through the buffer protocol),
-    their sum (``total``, as ``sum()`` adds them), the report's version, the commits since it
-    and the prompts committed since it.  A report replaces the object whole (one dict store);
-    a commit (:meth:`RankLoadBook.commit`, on the HTTP loop) changes it in place, so a commit
+    the instance's load (``total``: the report's loads as ``sum()`` adds them, plus each
+    commit since, added as it is made), the report's version, the commits since it and the
+    prompts committed since it.  A report replaces the object whole (one dict store); a
+    commit (:meth:`RankLoadBook.commit`, on the HTTP loop) changes it in place, so a commit
     racing a report lands on the replaced one (lost, as the report's figures already count
     what was queued before them)."""
 
@@ -170,12 +171,13 @@ class RankLoadBook:
         """Every instance's :class:`LiveLoads` (the C renderer reads them in one call)."""
         return self._live
 
-    def current(self, figures: InstanceLoads, instance: str) -> tuple[float, ...]:
-        """``figures.loads`` plus what was committed to each rank since that report."""
+    def current(self, figures: InstanceLoads, instance: str) -> tuple[tuple[float, ...], float]:
+        """``figures.loads`` plus what was committed to each rank since that report, and the
+        instance's load (:class:`LiveLoads`' ``total``)."""
         found = self._live.get(instance)
         if found is None or found.version != figures.version:
-            return figures.loads
-        return tuple(found.loads)
+            return figures.loads, sum(figures.loads)
+        return tuple(found.loads), found.total
 
     def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
         """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
@@ -193,7 +195,7 @@ class RankLoadBook:
         loads = found.loads
         if 0 <= rank < len(loads):
             loads[rank] += tokens
-            found.total = sum(loads)
+            found.total += tokens
         found.commits += 1
         self.changes += 1
 

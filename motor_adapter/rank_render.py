@@ -8,7 +8,7 @@ JSON bytes msgspec would write for that dict, so a new prompt's answer costs no 
 instance.  This module builds its inputs: once per view (the instances' JSON names) and
 once per walk result (each instance's hits as tuples, and the metrics series of the ranks
 answers name, resolved on first use).  The answer's side effects - the commit of its prompt
-to the rank it names, its metrics - are made here in Python (:func:`effects`; the metrics
+to the rank it names, its metrics - are made here in Python (:func:`apply`; the metrics
 counted by :class:`AnswerTally` and added to their series when read), as the reference makes
 them: the C only reads.  When the helper is not built, ``KVPUB_NATIVE=0`` is
 set, or it declines an answer (a figure that would not render exactly), the reference runs.
@@ -30,11 +30,10 @@ from sglang_kvpub.core.tiers import TierHit
 __all__ = [
     "NATIVE",
     "AnswerTally",
-    "Effects",
     "RankStatic",
     "RankTable",
     "Rendered",
-    "effects",
+    "apply",
     "render",
     "renders",
     "static_inputs",
@@ -64,8 +63,6 @@ Plan = tuple[int, int, int, bytes]
 # blocks (for the query's hit-blocks metric), until when it holds while the book does not change
 # (monotonic: the first fresh instance going stale), and its :data:`Plan`.
 Rendered = tuple[bytes, int, float, Plan]
-# An answer's side effects bound once (:func:`effects`): called with the prompt's commit key.
-Effects = Callable[[int], None]
 
 
 def static_inputs(
@@ -145,7 +142,7 @@ def render(
     """The answer (:data:`Rendered`) for a prompt of ``isl`` tokens and tie-break key
     ``spread`` under each instance's loads in ``book`` at ``now`` (monotonic); False when no
     instance has fresh loads (answer by the longest hit); None: run the reference.  Nothing
-    is changed: :func:`effects` makes its commit and metrics.  The caller checks
+    is changed: :func:`apply` makes its commit and metrics.  The caller checks
     :func:`renders` of the cost's parameters once."""
     got: Union[Rendered, Literal[False], None] = NATIVE.rank_answer(
         table.board, static.streams, book.live(), now, book.stale_after_s, isl, spread
@@ -153,21 +150,18 @@ def render(
     return got
 
 
-def effects(static: RankStatic, table: RankTable, book: RankLoadBook, plan: Plan, tally: AnswerTally) -> Effects:
-    """The side effects of an answer of ``table`` (its :data:`Plan`), bound: called with the
-    prompt's commit key, they count the answer's metrics (each instance's own hit on its scored
-    rank and the tokens scored as hits, through ``tally``) and commit the prompt's uncached
-    tokens to the rank the answer names (:meth:`RankLoadBook.commit`), as the reference's
+def apply(
+    static: RankStatic, table: RankTable, book: RankLoadBook, plan: Plan, tally: AnswerTally, prompt: int
+) -> None:
+    """The side effects of an answer of ``table`` (its :data:`Plan`) for the prompt whose
+    commit key is ``prompt``: its metrics counted (each instance's own hit on its scored rank
+    and the tokens scored as hits, through ``tally``) and the prompt's uncached tokens
+    committed to the rank the answer names (:meth:`RankLoadBook.commit`), as the reference's
     answer does."""
     chosen, rank, tokens, counted = plan
-    stream, commit, count = static.streams[chosen], book.commit, tally.count
-
-    def make(prompt: int) -> None:
-        count(table, counted)
-        if rank >= 0:
-            commit(stream, rank, tokens, prompt)
-
-    return make
+    tally.count(table, counted)
+    if rank >= 0:
+        book.commit(static.streams[chosen], rank, tokens, prompt)
 
 
 class AnswerTally:

@@ -188,7 +188,9 @@ class _Handlers:
     async def query(self, request: web.Request) -> web.Response:
         raw, is_msgpack = await self._raw(request)
         started = time.perf_counter()
-        p = await self._query.prompt(raw, is_msgpack)
+        p = self._query.hashed(raw, is_msgpack)
+        if p is None:
+            p = await self._query.prompt(raw, is_msgpack)
         answer = self.state.answer_keys(p.model, p.tenant, p.block_size, p.keys, p.blocks, started, p.isl, p.spread)
         return encoded_answer(request, answer)
 

@@ -95,7 +95,7 @@ bad:
  * first fresh instance goes stale (the answer holds while the book does not change until
  * then); effects: what the answer makes the caller do, as the reference does it -
  * (chosen instance, commit rank (-1: none), commit tokens, ((instance, rank, matched), ...) of
- * each instance whose scored rank holds a hit): rank_render.effects commits and counts them.
+ * each instance whose scored rank holds a hit): rank_render.apply commits and counts them.
  * False: no instance has fresh loads (answer by the longest hit); None: fall back to the
  * reference. */
 static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
@@ -223,7 +223,7 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     }
     /* The effects: the chosen instance, the commit's rank (-1: none) and tokens, then
      * (instance, rank, matched) of each instance counted - a hit on its scored rank - as
-     * native int64 triples in one bytes object (rank_render.effects reads them with array). */
+     * native int64 triples in one bytes object (rank_render.AnswerTally reads them with array). */
     json = PyBytes_FromStringAndSize(text.data, (Py_ssize_t)text.len);
     Py_ssize_t hits = 0;
     for (Py_ssize_t i = 0; i < n; i++) {

@@ -102,7 +102,7 @@ static int float_attr(PyObject *obj, PyObject *name, double *out) {
 }
 
 /* An instance's rank_loads.LiveLoads, through its public attributes: `received`, `total` (the
- * loads' sum as sum() adds them) and `loads`, a buffer of doubles (format "d") held in *view
+ * instance's load, as the reference reads it) and `loads`, a buffer of doubles (format "d") held in *view
  * until the caller releases it.  0, or -1 with an exception. */
 static int live_read(PyObject *live, double *received, double *total, Py_buffer *view) {
     if (float_attr(live, name_received, received) != 0 || float_attr(live, name_total, total) != 0) {
