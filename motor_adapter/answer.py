@@ -216,7 +216,7 @@ def rank_answer(
     commit: Union[tuple[str, int, float], None] = None
     if scored:
         best = pick_instance(scored, spread)
-        dp_values, gpu_values = motor_values(scored, best, cfg, isl)
+        dp_values, gpu_values = motor_values(scored, best, cfg, isl, fresh)
         top = scored[best]
         if top.rank is not None and fresh[best]:
             commit = (rank_plans[best].streams[0][1], top.rank, isl - top.matched)

@@ -37,6 +37,7 @@ from sglang_kvpub.core.tiers import TierHit
 
 __all__ = [
     "MODES",
+    "MOTOR_BOOK_MARGIN",
     "POLICY_AFFINITY",
     "POLICY_LOAD_BALANCE",
     "Candidate",
@@ -589,6 +590,10 @@ def instance_entry(
 
 # --------------------------------------------------------------------------- the rank that serves
 
+# How far Motor's own load book may favour another instance before its cost stops following the
+# adapter's pick (motor_values), in tokens: above any book, which sums the prompts in flight.
+MOTOR_BOOK_MARGIN = 1 << 31
+
 
 @dataclasses.dataclass(frozen=True)
 class RankScored:
@@ -614,7 +619,11 @@ def pick_instance(scored: Sequence[RankScored], spread: int) -> int:
 
 
 def motor_values(
-    scored: Sequence[RankScored], best: int, cfg: KvAffinityConfig, isl: int
+    scored: Sequence[RankScored],
+    best: int,
+    cfg: KvAffinityConfig,
+    isl: int,
+    fresh: Union[Sequence[bool], None] = None,
 ) -> tuple[list[int], list[int]]:
     """The ints Motor reads per instance - ``(DP, GPU)`` - so that its unchanged cost picks
     ``scored[best]`` and, under the Ascend source's cost, ranks the others by their cost.
@@ -629,6 +638,16 @@ def motor_values(
       so a negative value costs more than a miss, which is what keeps Motor's instance-load
       term from outweighing a rank's hit and load (3.0.0b2 reads ``DP`` of the instance it
       picked by ``GPU`` only: the best, never negative).
+      Motor's load is not the summed rank loads, though, but its own book: MindIE Motor 3.1
+      commits ``isl - matched`` of each prefill it routes to the endpoint and releases it when
+      the prefill leg returns (3.0.0: ``len(token_ids)`` and 0.3 times it, released at the
+      request's end).  That book lags and leads the engine's queue by whole prompts, and the
+      adapter cannot read it.  So when the best and another instance both have fresh load
+      figures (``fresh``; None: all of them), the other's ``DP`` is lowered by a further
+      :data:`MOTOR_BOOK_MARGIN` tokens of Motor's load: Motor's cost then follows the
+      adapter's rank-level choice for any book gap below it, and still ranks the others among
+      themselves by their cost.  An instance without fresh figures keeps the plain value, so
+      Motor's own load still weighs against a stale view.
     * ``GPU`` (3.0.0b2: the instance with the largest ``GPU``, ignoring negative values, and no
       load term): the best instance its real matched tokens (at least 1 when there are others,
       so a cold best still wins), every other instance its real matched tokens kept below that.
@@ -646,6 +665,12 @@ def motor_values(
     targets = [s.cost - weight * s.load_estimate for s in scored]
     t_best = targets[best]
     anchor = float(min(top.matched, isl))
-    dp = [round(min(anchor - (t - t_best) / scale, float(isl))) for t in targets]
+    margin = MOTOR_BOOK_MARGIN * weight / scale
+    dp = [0] * n
+    for i, t in enumerate(targets):
+        v = anchor - (t - t_best) / scale
+        if i != best and (fresh is None or (fresh[i] and fresh[best])):
+            v -= margin
+        dp[i] = round(min(v, float(isl)))
     dp[best] = round(anchor)
     return dp, gpu

@@ -193,10 +193,14 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
         }
     } else {
         const double t_best = top->cost - p.load_weight * top->load_estimate;
+        const double margin = MOTOR_BOOK_MARGIN * p.load_weight / scale; /* scoring.MOTOR_BOOK_MARGIN */
         const double anchor = (double)(top->matched < p.isl ? top->matched : (long long)p.isl);
         for (Py_ssize_t i = 0; i < n; i++) {
             const double target = scored[i].cost - p.load_weight * scored[i].load_estimate;
             double v = anchor - (target - t_best) / scale;
+            if (i != best && scored[i].fresh && top->fresh) { /* Motor's own book must not outweigh the pick */
+                v -= margin;
+            }
             if (!(v < (double)p.isl) && !isnan(v)) { /* min(v, float(isl)): v unless isl is smaller */
                 v = (double)p.isl;
             }

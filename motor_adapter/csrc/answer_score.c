@@ -18,6 +18,7 @@
 #define EXACT_FLOAT_MAX 1e15
 /* Ints from float rounding (Motor's DP values) stay within this. */
 #define EXACT_INT_MAX 4e18
+#define MOTOR_BOOK_MARGIN 2147483648.0 /* scoring.MOTOR_BOOK_MARGIN: 1 << 31 tokens */
 
 typedef rank_cost_params params_t;
 

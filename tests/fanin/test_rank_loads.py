@@ -19,7 +19,7 @@ from conftest import free_tcp_endpoint, offline_adapter
 from motor_adapter.adapter_metrics import RANK_METRICS
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.rank_loads import RankLoadBook
-from motor_adapter.scoring import KvAffinityConfig, RankScored, motor_values, pick_instance
+from motor_adapter.scoring import MOTOR_BOOK_MARGIN, KvAffinityConfig, RankScored, motor_values, pick_instance
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import AdapterState
 from motor_adapter.stream import StreamOptions, StreamSubscriber
@@ -222,16 +222,22 @@ def test_motor_values_make_both_motors_pick_the_cheapest_rank() -> None:
             motor_loads.append(total)  # what Motor's own load term holds: the instance's load
         spread = rng.getrandbits(32)
         best = pick_instance(scored, spread)
-        dp, gpu = motor_values(scored, best, cfg, isl)
+        fresh = [rng.random() < 0.8 for _ in scored]
+        dp, gpu = motor_values(scored, best, cfg, isl, fresh)
         assert dp[best] == min(scored[best].matched, isl)  # Motor's log shows the true hit
         assert max(range(len(gpu)), key=lambda i: (gpu[i], i)) == best  # 3.0.0b2: the last largest GPU
         assert all(g >= 0 for g in gpu) and dp[best] >= 0  # 3.0.0b2 skips negative values
         motor = [_ascend_cost(d, isl, load, cfg) for d, load in zip(dp, motor_loads, strict=True)]
         for i, s in enumerate(scored):  # the Ascend source's scores differ as the rank costs do
+            held = MOTOR_BOOK_MARGIN * cfg.load_weight if i != best and fresh[i] and fresh[best] else 0.0
             if dp[i] < isl:
-                assert motor[i] - motor[best] == pytest.approx(s.cost - scored[best].cost, abs=2.5)
+                assert motor[i] - motor[best] == pytest.approx(s.cost - scored[best].cost + held, abs=2.5)
             else:  # capped: only ever makes a costlier instance look costlier still
                 assert motor[i] >= motor[best] - 2.5
+        if all(fresh):  # Motor's own book (3.1: isl - matched per prefill in flight) cannot move the pick
+            book = [rng.uniform(0, 2_000_000) for _ in scored]
+            own = [_ascend_cost(d, isl, load, cfg) for d, load in zip(dp, book, strict=True)]
+            assert min(range(len(own)), key=lambda i: (own[i], i != best)) == best
 
 
 def _state() -> tuple[AdapterState, KvAffinity]:
