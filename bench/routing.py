@@ -30,10 +30,27 @@ Model (every choice below is a documented default, overridable on the command li
   every prompt token as uncached (a cold cluster). Trace timestamps are scaled by one factor to reach it; hits
   lower the effective load, so a good policy also queues less. Default 0.6: at the default throughput the
   conversation trace's real timestamps are a load of 0.57.
-- Load signal seen by the policies, in tokens queued: the prefill tokens still to compute on a rank, as the
-  engine reports it (SGLang's per-rank load figures) - the uncached tokens of its waiting requests (matched
-  against the rank's cache when they were enqueued) plus the remainder of the running prefill. An instance's
-  load is the sum over its ranks. The same signal for every policy.
+- Rank load, in tokens queued: the prefill tokens still to compute on a rank, as the engine reports it
+  (SGLang's per-rank load figures) - the uncached tokens of its waiting requests (matched against the rank's
+  cache when they were enqueued) plus the remainder of the running prefill. What the instance's dispatcher and
+  the fan-in's rank-load message carry, and the instance load (the sum over its ranks) of the model_*
+  baselines and load_balance.
+- Motor's load (every shipped policy: Motor, or KvAffinity.select standing in for it, picks the instance):
+  Motor's OWN book per prefill endpoint, not the engine's figures. The report's deployment runs MindIE Motor
+  3.1 (Ascend/MindIE-Motor), whose book is modelled: after an affinity pick the scheduler commits
+  calculate_committed_workload(role, isl, matched) = isl - min(matched, isl), matched being the answer's
+  figure for the picked endpoint (motor/coordinator/domain/workload_calculator.py; the scheduler passes
+  matched_tokens_map[(instance, endpoint)]); the endpoint's score is Workload.calculate_workload_score =
+  active_tokens for every role (motor/common/resources/endpoint.py); UnifiedPDRouter releases the prefill
+  leg's tokens (WorkloadAction.RELEASE_TOKENS) as soon as the prefill task returns, before decode ends
+  (motor/coordinator/router/strategies/unified_pd.py). Here: committed at dispatch, released when the
+  prefill finishes (Cluster.motor_commit / _finish). MindIE PyMotor 3.0.0 (Ascend/MindIE-PyMotor) kept a
+  different book - len(token_ids) to active_tokens and active_kv_cache, scored active_tokens + 0.3 *
+  active_kv_cache, released when pd_dual_dispatch's resource context closes at the request's end - for a
+  Motor that is no longer the report's; default_motor_b2 reads the 3.1 book too (only its load_balance
+  fallback reads a load). The book holds a whole prompt from routing to the end of its prefill, where
+  the engine's figure counts only what is left, so the two differ by whole prompts: the adapter's answer
+  keeps Motor's cost on its own pick whatever the book holds (scoring.motor_values).
 
 Token ids and events (the shipped policies): page j of trace block b carries 128 token ids that are a fixed
 function of (b, j) (SHAKE-128 of the pair), so prompts share token ids exactly where they share blocks and the
@@ -55,9 +72,10 @@ Policies (each on a fresh cluster, same arrivals). The shipped code (JSON field 
   registered as Motor registers it, fed the ranks' events and, every load_report_s of simulated time, each
   instance's rank-load message - wire.LoadReport through its codec - with the ranks' queued prefill tokens then);
   Motor's unchanged kv_cache_affinity over that answer (a model of the Ascend source's code, motor_ascend_pick:
-  min(DP, isl), unified cost with the instance's load); the instance's real CacheAwareDispatcher picks the rank
-  with fresh loads.  Its JSON line also gives rank_agreement (how often the dispatcher took the rank the
-  adapter scored the picked instance by), best_other_shipped(_hit_ratio) and oracle_ttft_p50_s/p90_s (its targets).
+  min(DP, isl), unified cost with Motor's own book as the load, then the book's commit of isl - DP); the
+  instance's real CacheAwareDispatcher picks the rank with fresh loads.  Its JSON line also gives rank_agreement
+  (how often the dispatcher took the rank the adapter scored the picked instance by), best_other_shipped(_hit_ratio)
+  and oracle_ttft_p50_s/p90_s (its targets).
 - default_motor_b2: the same with mindie-motor 3.0.0b2's reading of the answer (motor_b2_pick: the largest GPU).
 - dp0_only: the report's bug. motor_adapter's KvAffinity.select (Motor's kv_cache_affinity, unified cost over
   each instance's folded hit and its load) over an index fed ONLY rank 0's stream of each instance; rank
@@ -547,6 +565,9 @@ class Cluster:
         self.stats = Stats(per_rank=[0] * (instances * ranks))
         self.track_pending = False  # oracle bookkeeping, off for the other policies (it costs time)
         self.feed: ShippedFeed | None = None  # the shipped router/dispatcher, fed each rank's events
+        # Motor 3.1's own load book per prefill instance (see motor_commit): the load Motor's cost reads
+        self.motor_book = [0.0] * instances
+        self._motor_held: dict[int, tuple[int, float]] = {}  # id(request) -> (instance, committed tokens)
 
     # ----- what routers may observe
     def matched_tokens(self, flat: int, req: Request) -> int:
@@ -563,6 +584,18 @@ class Cluster:
     def instance_load(self, inst: int) -> float:
         base = inst * self.n_ranks
         return sum(self.rank_load(f) for f in range(base, base + self.n_ranks))
+
+    def motor_load(self, inst: int) -> float:
+        """Motor 3.1's workload score of the instance's endpoint: its book's active tokens."""
+        return self.motor_book[inst]
+
+    def motor_commit(self, req: Request, inst: int, matched: int) -> None:
+        """Motor 3.1's ALLOCATE after an affinity pick: ``isl - matched`` (matched: the answer's
+        figure for the picked endpoint, capped at isl) onto the endpoint's book, held until the
+        request's prefill leg returns (released in _finish)."""
+        committed = float(req.isl - min(max(matched, 0), req.isl))
+        self.motor_book[inst] += committed
+        self._motor_held[id(req)] = (inst, committed)
 
     def future_matched_tokens(self, flat: int, req: Request) -> int:
         """Oracle knowledge: the hit when `req` would start on this rank - cached pages plus the pages of every
@@ -626,6 +659,10 @@ class Cluster:
     def _finish(self, flat: int, req: Request) -> None:
         rank = self.ranks[flat]
         rank.queue.popleft()
+        held = self._motor_held.pop(id(req), None)
+        if held is not None:  # the prefill leg returned: Motor releases the request's tokens
+            inst, committed = held
+            self.motor_book[inst] = max(0.0, self.motor_book[inst] - committed)
         res = rank.cache.insert(req.keys)  # the engine publishes BlockStored now
         self.stats.evicted_pages += len(res.evicted)
         if self.feed is not None:
@@ -669,6 +706,12 @@ def motor_ascend_pick(
     if not scored:  # nothing listed: load_balance
         return min(candidates, key=lambda c: c[1])[0]
     return min(scored, key=lambda s: s[0])[1]
+
+
+def answer_matched(entry: dict[str, Any]) -> int:
+    """The endpoint's matched tokens as Motor 3.1 reads them from the answer (an int or a dict)."""
+    dp = entry.get("DP", {}).get("0", 0)
+    return int(dp["matched_tokens"] if isinstance(dp, dict) else dp)
 
 
 def motor_b2_pick(answer: dict[str, Any], candidates: list[tuple[str, float]], isl: int, cfg: KvAffinityConfig) -> str:
@@ -781,16 +824,18 @@ class Router:
     # ----- the shipped code: motor_adapter's KvAffinity (Motor's kv_cache_affinity over the fold
     # of its PrefixIndex) and each instance's CacheAwareDispatcher, fed by the ranks' events
     def _select(self, cl: Cluster, req: Request, affinity: KvAffinity | None) -> tuple[int, int | None, Any]:
-        """KvAffinity.select over every instance (Motor's load: the instance's queued tokens)
+        """KvAffinity.select over every instance (Motor's load: its own book, motor_commit)
         -> (instance, pinned rank or None, the request's token ids)."""
         assert affinity is not None, "shipped policies need a ShippedFeed"
         feed = self.feed
         assert feed is not None
         tokens = request_tokens(req, cl.page_size)
         order = self._rotation(self.n_inst)  # candidate order: Motor keeps it on ties
-        candidates = [Candidate(feed.names[i], cl.instance_load(i)) for i in order]
+        candidates = [Candidate(feed.names[i], cl.motor_load(i)) for i in order]
         decision = affinity.select(candidates, tokens)
-        return feed.names.index(decision.instance_id), decision.dp_rank, tokens
+        inst = feed.names.index(decision.instance_id)
+        cl.motor_commit(req, inst, decision.matched or 0)
+        return inst, decision.dp_rank, tokens
 
     def dp0_only(self, cl: Cluster, req: Request) -> int:
         """The report's bug, shipped code: the router's index sees only rank 0's stream."""
@@ -835,9 +880,11 @@ class Router:
             MODEL, TENANT, cl.page_size, keys, len(tokens) // cl.page_size, time.perf_counter(), len(tokens), spread
         ).body[TENANT]
         order = self._rotation(self.n_inst)  # Motor's instance order: it keeps it on ties
-        candidates = [(f"vllm-prefill-{i}", cl.instance_load(i)) for i in order]
+        candidates = [(f"vllm-prefill-{i}", cl.motor_load(i)) for i in order]
         picked = motor(answer, candidates, len(tokens), KvAffinityConfig(block_size=cl.page_size))
         inst = int(picked.rsplit("-", 1)[1])
+        entry = answer.get(picked)
+        cl.motor_commit(req, inst, answer_matched(entry) if entry is not None else 0)
         base = inst * self.n_ranks
         loads = [cl.rank_load(base + r) for r in range(self.n_ranks)]
         rank = feed.dispatchers[inst].choose(tokens, loads, spread=spread).rank
