@@ -610,12 +610,16 @@ class RankScored:
 
 
 def pick_instance(scored: Sequence[RankScored], spread: int) -> int:
-    """The index of the lowest cost; equal costs go to the one ``spread`` names among them."""
+    """The index of the lowest cost; equal costs go to the one ``spread``'s high 32 bits name
+    among them.  The dispatcher starts its scan over the ranks at ``spread`` modulo their
+    number (rank_cost.spread_start): naming the instance by the same low bits would tie it to
+    the rank - with two instances of 16 ranks, instance 0 would start cold prompts only on even
+    ranks and instance 1 only on odd ones, half the ranks taking every tie."""
     if not scored:
         raise ValueError("pick_instance needs at least one instance")
     low = min(s.cost for s in scored)
     tied = [i for i, s in enumerate(scored) if s.cost == low]
-    return tied[spread % len(tied)]
+    return tied[(spread >> 32) % len(tied)]
 
 
 def motor_values(

@@ -161,7 +161,8 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
         out = Py_NewRef(Py_False);
         goto fail;
     }
-    /* pick_instance: the lowest cost; equal costs go to the one `spread` names among them. */
+    /* pick_instance: the lowest cost; equal costs go to the one `spread`'s high 32 bits name among them
+     * (its low bits start the dispatcher's rank scan). */
     double low = scored[0].cost;
     for (Py_ssize_t i = 1; i < n; i++) {
         if (scored[i].cost < low) {
@@ -172,7 +173,7 @@ static PyObject *answer_rank_answer(PyObject *self, PyObject *args) {
     for (Py_ssize_t i = 0; i < n; i++) {
         tied += scored[i].cost == low;
     }
-    Py_ssize_t pick = (Py_ssize_t)(spread % (uint64_t)tied), best = 0;
+    Py_ssize_t pick = (Py_ssize_t)((spread >> 32) % (uint64_t)tied), best = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (scored[i].cost == low && pick-- == 0) {
             best = i;

@@ -281,6 +281,24 @@ def test_query_scores_the_rank_that_would_serve_and_metrics_show_it() -> None:
 
 
 @pytest.mark.unit
+def test_cold_prompts_tied_over_instances_reach_every_rank_of_each() -> None:
+    # The instance is named by the tie-break key's high bits, the rank scan starts at its low
+    # bits: were both the low bits, instance 0 would take ties only on even ranks, 1 on odd.
+    state, affinity = _state()
+    codec = wire.LoadReportCodec()
+    idle = codec.decode(_report([0.0] * 16))
+    assert idle is not None
+    seen = set()
+    for p in range(200):
+        for stream in ("tcp://127.0.0.1:5557", "tcp://127.0.0.2:5557"):
+            affinity.loads.apply(stream, idle)  # drops the previous answer's commit
+        answer = state.query("m", "default", 16, [p * 1000 + i for i in range(1, 1 + 4 * 16)])["default"]
+        [best] = [name for name, entry in answer.items() if entry["GPU"] == 1]  # a cold best shows 1
+        seen.add((best, answer[best]["dp_detail"]["0"]["scored_rank"] % 2))
+    assert seen == {(f"vllm-prefill-{i}", parity) for i in range(2) for parity in range(2)}
+
+
+@pytest.mark.unit
 def test_without_rank_loads_the_answer_is_the_fold_as_before() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 4 * 16))
