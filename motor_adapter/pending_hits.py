@@ -9,11 +9,13 @@ of the wait already in the rank's load: the same merge the dispatcher makes
 rank its dispatcher will take, and Motor's unchanged cost picks the instance whose rank will
 hold the prefix soonest.  Figures older than the book's ``stale_after_s`` count for nothing.
 
-Only what the instance reports: the prompts the adapter's own answers sent somewhere since
-(its commits) are not taken as pending, because a prompt asked again - a retry, a poll,
-several routers - cannot be told from the next member of a group, and its answer must not
-change under it.  Members asked within one report period of the first therefore do not follow
-it here; the instance's dispatcher still sends them to the rank prefilling it.
+Only what the instance reports.  What the adapter's own answers sent somewhere since is
+counted elsewhere, and only for the same whole prompt: an answer's commit claims its prompt
+on the rank it names until the instance's next report (``RankLoadBook.claim``), and
+``motor_adapter/query.py`` answers that prompt asked again - the next member of a GRPO
+group, as well as a retry or a poll - with the rank holding all of it.  A prompt merely
+sharing a prefix with one in flight within that report period does not follow it here; the
+instance's dispatcher still sends it to the rank prefilling it.
 """
 
 from __future__ import annotations

@@ -27,13 +27,15 @@ from motor_adapter.answer import (
     longest_hit_answer,
     rank_answer,
 )
-from motor_adapter.query_cache import Effects, LastRender, QueryCache, WalkEntry
-from motor_adapter.rank_loads import RankLoadBook
+from motor_adapter.query_cache import ClaimedSlot, Effects, LastRender, QueryCache, WalkEntry
+from motor_adapter.rank_loads import Claim, RankLoadBook
 from motor_adapter.registration import Registration
 from motor_adapter.scoring import KvAffinityConfig, TierCounts, best_rank, matched_tokens
 from sglang_kvpub.core.rank_cost import CostParams
 
-__all__ = ["View", "answer", "best_ranks", "make_view"]
+__all__ = ["View", "answer", "best_ranks", "claimed_hits", "make_view"]
+
+_CLAIMED_MAX = 64  # claimed prompts kept per walk result (the cold walk's is shared by bursts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,7 @@ def answer(
         now = time.monotonic()
         walk = affinity.best_for_keys(keys)  # None: CPU/disk hold blocks (nothing is cached then)
         entry = view.cache.entry(walk) if walk is not None else None
-        # The commit's key: a prompt is committed once between two reports of an instance.
+        # The commit's and the claim's key: the last block key, chained over every block.
         ranked = _rank_aware(view, metrics, entry, keys, isl, spread, changes, now, keys[-1] if keys else spread)
         if ranked is not None:
             metrics.observe_query(model, ranked.blocks, blocks, started)
@@ -137,10 +139,26 @@ def _rank_aware(
     while it holds (:meth:`LastRender.holds`), else rendered in C when the view renders
     there, else :func:`answer.rank_answer` in Python (the reference: where C declines, or a
     figure would not print exactly).  ``entry``: the walk result's cache entry (None: CPU or
-    disk hold blocks, nothing is kept)."""
+    disk hold blocks, nothing is kept).  A prompt an answer committed since its instance's
+    last report (the same last block key) is answered by :func:`_claimed`."""
     affinity = view.affinity
     assert affinity is not None
     book = affinity.loads
+    # One lookup: a new prompt misses it; a group's next member, a retry or a poll finds it.
+    held = book.claims.get(prompt)
+    if held is not None:
+        slots = entry.claimed if entry is not None else None
+        slot = slots.get(prompt) if slots is not None else None
+        # Its last answer again, as below: while it holds (no report came, the loads are
+        # fresh), the claim holds too.
+        if slot is not None and slot.claim is held:
+            last = slot.last
+            if last is not None and last.holds(isl, spread, changes, now):
+                _redo(view, last, book, metrics, prompt)
+                return last
+        claimed = _claimed(view, metrics, entry, keys, isl, spread, changes, now, prompt, held, slot)
+        if claimed is not None:
+            return claimed
     if entry is not None:
         last = entry.last
         if last is not None and last.holds(isl, spread, changes, now):
@@ -175,6 +193,93 @@ def _rank_aware(
         entry.last = done
     _redo(view, done, book, metrics, prompt)
     return done
+
+
+def _claimed(
+    view: View,
+    metrics: AdapterMetrics,
+    entry: Union[WalkEntry, None],
+    keys: list[int],
+    isl: int,
+    spread: int,
+    changes: int,
+    now: float,
+    prompt: int,
+    held: Claim,
+    slot: Union[ClaimedSlot, None],
+) -> Union[LastRender, None]:
+    """:func:`_rank_aware`'s answer for a prompt claimed by ``held`` (the book's claim on
+    ``prompt``) when its last one does not hold: the walk's hits with the claimed rank
+    holding every block of the prompt (:func:`claimed_hits`), answered, remembered and
+    rendered as an unclaimed prompt is, per prompt in the walk result's entry (``slot``, its
+    :class:`ClaimedSlot` there if any).  None when the claim no longer holds (or no instance
+    has fresh loads): answer the prompt as unclaimed."""
+    affinity = view.affinity
+    assert affinity is not None
+    book = affinity.loads
+    if not keys or book.claim(prompt, now) is not held:
+        return None
+    blocks = len(keys)  # the last key is chained over every block: it fixes their number
+    if entry is not None:
+        if slot is None or slot.claim.instance != held.instance or slot.claim.rank != held.rank:
+            slots = entry.claimed
+            if slots is None:
+                slots = entry.claimed = {}
+            elif len(slots) >= _CLAIMED_MAX:
+                slots.clear()
+            slot = slots[prompt] = ClaimedSlot(held)
+        else:
+            slot.claim = held  # the same rank under a later report: the table still holds
+        static = view.rank_static
+        if static is not None:
+            table = slot.table
+            if table is None:
+                table = slot.table = rank_render.RankTable(
+                    static, view.params, entry.walk, _with_claim(_hits(entry, affinity, keys), held, blocks),
+                    view.cfg.block_size, _cells_of(view, metrics),
+                )  # fmt: skip
+            got = rank_render.render(static, table, book, now, isl, spread)
+            if got:
+                json, best_blocks, until, plan = got
+                rendered = Answer(None, {JSON_TYPE: json})
+                done = slot.last = LastRender(isl, spread, changes, until, best_blocks, rendered, None, table, plan)
+                rank_render.apply(static, table, book, plan, metrics.answer_tally, prompt)
+                return done
+    tokens, until = book.tokens(view.rank_streams, now)
+    fresh = [token is not None for token in tokens]
+    if not any(fresh):
+        return None
+    hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
+    ranked = rank_answer(
+        view.tenant, view.plans, view.rank_plans, _with_claim(hits, held, blocks), book, fresh, now, isl, spread,
+        view.cfg, view.shape, metrics,
+    )  # fmt: skip
+    done = LastRender(isl, spread, changes, until, ranked.tally.best, ranked.answer, _effects(ranked, book, metrics))
+    if slot is not None:
+        slot.last = done
+    _redo(view, done, book, metrics, prompt)
+    return done
+
+
+def claimed_hits(
+    book: RankLoadBook, hits: Mapping[str, Mapping[int, TierCounts]], keys: list[int], now: float
+) -> Mapping[str, Mapping[int, TierCounts]]:
+    """``hits`` (instance -> rank -> hit) as a rank-aware answer of the prompt with block
+    keys ``keys`` counts them at ``now``: with the rank that holds the book's claim on the
+    prompt (:meth:`RankLoadBook.claim`) holding every block of it."""
+    held = book.claim(keys[-1], now) if keys else None
+    return hits if held is None else _with_claim(hits, held, len(keys))
+
+
+def _with_claim(
+    hits: Mapping[str, Mapping[int, TierCounts]], held: Claim, blocks: int
+) -> Mapping[str, Mapping[int, TierCounts]]:
+    """``hits`` with the claimed rank holding ``blocks`` blocks on the device (a new mapping)."""
+    merged = dict(hits)
+    own = dict(hits.get(held.instance, {}))
+    own[held.rank] = TierCounts(blocks, 0, 0)
+    merged[held.instance] = own
+    return merged
 
 
 def _redo(view: View, last: LastRender, book: RankLoadBook, metrics: AdapterMetrics, prompt: int) -> None:

@@ -17,7 +17,11 @@ over.  What an entry holds (each filled on first use):
 - ``last``: the last rank-aware answer of it (rendered in C or computed in Python), with the
   inputs besides the walk result it is a function of (the prompt's length and tie-break key,
   the load book's change count) and until when its loads stay fresh: the same inputs again
-  give it again, its side effects made again.
+  give it again, its side effects made again;
+- ``claimed``: per prompt asked while claimed (``RankLoadBook.claim``, by its last block
+  key), a :class:`ClaimedSlot`: the table and last answer of these walk ends with the claimed
+  rank holding the whole prompt, kept as ``table`` and ``last`` are (a prompt's key fixes its
+  blocks, so the table holds while the claim names the same rank; bounded).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from typing import Any, NamedTuple, Union
 from motor_adapter import rank_render
 from motor_adapter.adapter_metrics import HitTally
 from motor_adapter.answer import Answer
+from motor_adapter.rank_loads import Claim
 from motor_adapter.scoring import TierCounts
 
-__all__ = ["Effects", "LastRender", "QueryCache", "WalkEntry"]
+__all__ = ["ClaimedSlot", "Effects", "LastRender", "QueryCache", "WalkEntry"]
 
 # The reference answer's side effects, bound once: called with the prompt's commit key.
 Effects = Callable[[int], None]
@@ -56,10 +61,23 @@ class LastRender(NamedTuple):
         return self.isl == isl and self.spread == spread and self.changes == changes and now < self.until
 
 
+class ClaimedSlot:
+    """One claimed prompt's part of a :class:`WalkEntry`: the claim it was last answered
+    under, the C renderer's table of the walk's hits with the claim's rank holding the whole
+    prompt (None until rendered), and the last answer under that claim."""
+
+    __slots__ = ("claim", "last", "table")
+
+    def __init__(self, claim: Claim) -> None:
+        self.claim = claim
+        self.table: Union[rank_render.RankTable, None] = None
+        self.last: Union[LastRender, None] = None
+
+
 class WalkEntry:
     """The cached answers of one walk result (``walk``, kept alive by the entry)."""
 
-    __slots__ = ("hits", "last", "longest_hit", "table", "walk")
+    __slots__ = ("claimed", "hits", "last", "longest_hit", "table", "walk")
 
     def __init__(self, walk: Mapping[str, Any]) -> None:
         self.walk = walk
@@ -67,6 +85,7 @@ class WalkEntry:
         self.hits: Union[Mapping[str, Mapping[int, TierCounts]], None] = None
         self.table: Union[rank_render.RankTable, None] = None
         self.last: Union[LastRender, None] = None
+        self.claimed: Union[dict[int, ClaimedSlot], None] = None  # made on the first claimed prompt
 
 
 class QueryCache:

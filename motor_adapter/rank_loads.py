@@ -19,13 +19,28 @@ import threading
 import time
 from array import array
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from sglang_kvpub import wire
 
-__all__ = ["InstanceLoads", "LiveLoads", "RankLoadBook", "STALE_AFTER_S"]
+__all__ = ["Claim", "InstanceLoads", "LiveLoads", "RankLoadBook", "STALE_AFTER_S"]
 
 STALE_AFTER_S = 5.0  # the fan-in repeats unchanged figures every heartbeat (1 s by default)
-_COMMITTED_MAX = 65_536  # prompts committed between two reports of one instance (bounded)
+# Claims held at once, over every instance; cleared when full.  A claim is needed for one
+# report period (load_report_s), and every new prompt misses one lookup here: small enough that
+# the miss stays in cache (its index array is 16 KiB).
+_CLAIMS_MAX = 8_192
+
+
+class Claim(NamedTuple):
+    """Where an answer committed a prompt: ``rank`` of ``instance`` (a stream URL), under the
+    instance's loads of report ``version``.  A fresh claim means that rank will hold every
+    block of the prompt once the prefill the commit counts is done (see
+    :meth:`RankLoadBook.claim`)."""
+
+    instance: str
+    rank: int
+    version: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,21 +69,21 @@ class LiveLoads:
     receipt time (monotonic), each rank's current load (the report's plus what was committed
     to it since: ``loads``, an ``array("d")`` the C renderer reads through the buffer protocol),
     the instance's load (``total``: the report's loads as ``sum()`` adds them, plus each
-    commit since, added as it is made), the report's version, the commits since it and the
-    prompts committed since it.  A report replaces the object whole (one dict store); a
-    commit (:meth:`RankLoadBook.commit`, on the HTTP loop) changes it in place, so a commit
-    racing a report lands on the replaced one (lost, as the report's figures already count
-    what was queued before them)."""
+    commit since, added as it is made), the report's version, the commits since it, and each
+    rank's :class:`Claim` under this report (made with it, so a commit allocates nothing).  A
+    report replaces the object whole (one dict store); a commit (:meth:`RankLoadBook.commit`,
+    on the HTTP loop) changes it in place, so a commit racing a report lands on the replaced
+    one (lost, as the report's figures already count what was queued before them)."""
 
-    __slots__ = ("commits", "loads", "received", "seen", "total", "version")
+    __slots__ = ("claims", "commits", "loads", "received", "total", "version")
 
-    def __init__(self, received: float, version: int, loads: Sequence[float]) -> None:
+    def __init__(self, instance: str, received: float, version: int, loads: Sequence[float]) -> None:
         self.received = received
         self.version = version
         self.loads = array("d", loads)
         self.total = sum(self.loads)
         self.commits = 0
-        self.seen: set[int] = set()
+        self.claims = tuple(Claim(instance, rank, version) for rank in range(len(self.loads)))
 
 
 class RankLoadBook:
@@ -96,6 +111,13 @@ class RankLoadBook:
         # Each instance's pending block keys per rank, while its last report had some
         # (motor_adapter/pending_hits.py reads it per query: empty means nothing to merge).
         self.pending: dict[str, tuple[float, tuple[frozenset[int], ...]]] = {}
+        # Prompt (its last block key) -> where an answer committed it (commit).  The report
+        # naming that prefill as pending comes one period later, and the members of a burst of
+        # one prompt (a GRPO group) are asked before it: /query reads this once per query.
+        # A claim ends with its instance's next report (its version no longer the live one),
+        # which carries the truth then; ended ones are left in place until overwritten or the
+        # dict is cleared when full, so a report costs nothing here.
+        self.claims: dict[int, Claim] = {}
 
     def apply(self, instance: str, report: wire.LoadReport, now: float | None = None) -> None:
         """One live report of ``instance`` (already checked by ``wire.LoadReportCodec``)."""
@@ -132,7 +154,7 @@ class RankLoadBook:
             else:
                 self.pending.pop(instance, None)
             # The new figures include what was committed before them: no commit carries over.
-            self._live[instance] = LiveLoads(received, self._version, current)
+            self._live[instance] = LiveLoads(instance, received, self._version, current)
             self.figured = True
             self.changes += 1
 
@@ -180,24 +202,42 @@ class RankLoadBook:
         return tuple(found.loads), found.total
 
     def commit(self, instance: str, rank: int, tokens: float, prompt: int) -> None:
-        """``tokens`` (the prompt's uncached part) now head for ``rank`` of ``instance``.  A
-        prompt asked again before the next report (a retry, a tool polling ``/query``) is
-        committed once: Motor asks once per request."""
+        """``tokens`` (the uncached part of the prompt whose last block key is ``prompt``) now
+        head for ``rank`` of ``instance``, and the prompt is claimed there (:meth:`claim`).  A
+        prompt asked again before the instance's next report (a member of the same group, a
+        retry, a tool polling ``/query``) is committed once: its claim on this instance says
+        so."""
         if tokens <= 0:
             return
         found = self._live.get(instance)
         if found is None:
             return
-        seen = found.seen
-        if prompt in seen or len(seen) >= _COMMITTED_MAX:
-            return
-        seen.add(prompt)
         loads = found.loads
-        if 0 <= rank < len(loads):
-            loads[rank] += tokens
-            found.total += tokens
+        if not 0 <= rank < len(loads):
+            return
+        claims = self.claims
+        if prompt in claims and claims[prompt].version == found.version:  # versions are never reused
+            return
+        if len(claims) >= _CLAIMS_MAX:
+            claims.clear()
+        claims[prompt] = found.claims[rank]
+        loads[rank] += tokens
+        found.total += tokens
         found.commits += 1
         self.changes += 1
+
+    def claim(self, prompt: int, now: float) -> Claim | None:
+        """Where the prompt whose last block key is ``prompt`` was committed, while that holds:
+        its instance's loads are still the report it was made under, and fresh at ``now``.  The
+        committed tokens are in that rank's load, so an answer counting the rank as holding
+        every block of the prompt prices the wait for them by the one cost."""
+        held = self.claims.get(prompt)
+        if held is None:
+            return None
+        found = self._live.get(held.instance)
+        if found is None or found.version != held.version or now - found.received > self.stale_after_s:
+            return None
+        return held
 
     def forget(self, instance: str) -> None:
         with self._write:

@@ -12,6 +12,7 @@ from conftest import offline_adapter
 from motor_adapter import rank_render
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.answer import rank_answer
+from motor_adapter.query import claimed_hits
 from motor_adapter.query_cache import QueryCache, WalkEntry
 from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.scoring import KvAffinityConfig
@@ -49,7 +50,7 @@ def _remove(affinity: KvAffinity, url: str, rank: int, hashes: list[int]) -> Non
 
 def _ask(state: AdapterState, prompt: list[int]) -> dict:
     """The answer ``/query`` gives, checked against a fresh computation (no memo, no commit)
-    over the same index and loads, taken just before."""
+    over the same index, loads and claims, taken just before."""
     keys = sequence_keys(prompt, BS)
     spread = spread_key(prompt, BS)
     view = state._view("m", "default", BS)
@@ -59,9 +60,10 @@ def _ask(state: AdapterState, prompt: list[int]) -> dict:
     tokens, _ = affinity.loads.tokens(view.rank_streams, now)
     loads = [token is not None for token in tokens]
     assert any(loads)
+    hits = claimed_hits(affinity.loads, affinity.hits_for_keys(keys), keys, now)
     fresh = rank_answer(
-        view.tenant, view.plans, view.rank_plans, affinity.hits_for_keys(keys), affinity.loads, loads, now,
-        len(prompt), spread, view.cfg, view.shape, state.metrics,
+        view.tenant, view.plans, view.rank_plans, hits, affinity.loads, loads, now, len(prompt), spread, view.cfg,
+        view.shape, state.metrics,
     ).answer.body  # fmt: skip
     got = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread).body
     assert got == fresh
@@ -104,6 +106,9 @@ def test_a_changed_holding_changes_a_remembered_answer() -> None:
     answer = _ask(state, prompt)
     assert answer["vllm-prefill-1"]["dp_detail"]["0"]["matched_tokens"] == 6 * BS
     assert answer["vllm-prefill-1"]["GPU"] > answer["vllm-prefill-0"]["GPU"]  # Motor's 3.0.0b2 picks it
+    # That answer claimed the prompt on its rank (it will hold all of it): the instance's next
+    # report ends the claim, and the rank's real holding counts again.
+    affinity.loads.apply(URLS[1], _report([0.0] * 2))
     _remove(affinity, URLS[1], 0, [203, 204, 205])
     assert _ask(state, prompt)["vllm-prefill-1"]["dp_detail"]["0"]["matched_tokens"] == 3 * BS
 

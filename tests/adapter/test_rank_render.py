@@ -1,6 +1,7 @@
 """The rank-aware ``/query`` answer rendered in C (``motor_adapter._answer``) against its
 reference, ``answer.rank_answer`` in Python: the same JSON bytes, the same commits,
-the same metrics, through random indexes, loads, weights and prompts."""
+the same metrics, through random indexes, loads, weights and prompts (some asked several
+times in a row, as a GRPO group is: answered under their claims)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def _state(instances: int, cfg: KvAffinityConfig, names: list[str]) -> tuple[Ada
     return offline_adapter(ServiceConfig(kv_affinity=cfg), [(names[i], _url(i)) for i in range(instances)], BS)
 
 
-def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[str]]:
+def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[str], int]:
     """One random run through ``answer_keys``: each answer's JSON bytes (the C renderer's own,
-    or msgspec's of the reference's body) and the metrics' lines (timings aside)."""
+    or msgspec's of the reference's body), the metrics' lines (timings aside) and how many
+    answers were asked under a claim."""
     monkeypatch.setattr(rank_render, "NATIVE", rank_render.NATIVE if native else None)
     rng = random.Random(seed)
     weights = rng.choice(
@@ -71,6 +73,7 @@ def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
     sizes = [rng.choice((0, 1, 2, 4, 16)) for _ in range(count)]
     prompts = [[rng.randrange(50_000) for _ in range(rng.randrange(1, 9) * BS + rng.randrange(3))] for _ in range(6)]
     answers: list[Any] = []
+    claimed = 0
     base = 1_000
     for step in range(160):
         op = rng.random()
@@ -100,14 +103,16 @@ def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
                 prompt = rng.choice(prompts)
             keys = sequence_keys(prompt, BS)
             spread = spread_key(prompt, BS) if rng.random() < 0.8 else rng.getrandbits(64)
-            answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread)
-            encoded = answer.encoded.get(JSON_TYPE) or msgspec.json.encode(answer.body)
-            answers.append((step, encoded))
-            assert msgspec.json.decode(encoded) == answer.body
+            for _ in range(rng.choice((1, 1, 2, 4))):  # a group's members, one after another
+                claimed += bool(keys) and affinity.loads.claim(keys[-1], time.monotonic()) is not None
+                answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), spread)
+                encoded = answer.encoded.get(JSON_TYPE) or msgspec.json.encode(answer.body)
+                answers.append((step, encoded))
+                assert msgspec.json.decode(encoded) == answer.body
     # Sorted: a series is listed where it was first added to, and the C path's answers add to
     # theirs when the counters are read (rank_render.AnswerTally); the values are what is compared.
     lines = sorted(line for line in state.render_metrics().splitlines() if "_seconds" not in line)
-    return answers, lines
+    return answers, lines, claimed
 
 
 @needs_native
@@ -118,6 +123,14 @@ def test_the_c_renderer_answers_commits_and_counts_as_the_reference(seed: int, m
     reference = _scenario(seed, False, monkeypatch)
     assert [a for a in rendered[0]] == [a for a in reference[0]]  # byte for byte; commits move later answers
     assert rendered[1] == reference[1]
+    assert rendered[2] == reference[2]
+
+
+@pytest.mark.unit
+def test_the_fuzz_asks_claimed_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scenarios above answer prompts under their claims, not only new ones."""
+    claimed = [_scenario(seed, False, monkeypatch)[2] for seed in range(10)]
+    assert sum(1 for c in claimed if c) >= 5, claimed
 
 
 def _loads_answered(values: list[float], native: bool, monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
@@ -213,10 +226,11 @@ def test_the_c_renderer_is_built_where_ci_requires_it() -> None:
 
 @needs_native
 @pytest.mark.unit
-def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The last answer is given again without rendering (same walk result, length and
-    tie-break key, no change in the book) and still makes its side effects: the metrics
-    count every query, and a prompt not committed yet commits (then the book has changed)."""
+def test_an_answer_given_again_counts_again_and_a_new_prompt_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt asked again is answered under its claim: rendered once (its rank holding the
+    whole prompt), then given again without rendering (same walk result, length and
+    tie-break key, no change in the book) and still counted; a new prompt of the same walk
+    ends is rendered and commits (then the book has changed)."""
     state, affinity, prompt = _b_holds_the_prompt_on_its_busy_rank()
     renders: list[int] = []
     real = rank_render.NATIVE.rank_answer
@@ -238,16 +252,16 @@ def test_an_answer_given_again_commits_a_new_prompt_and_counts_again(monkeypatch
     def ask(asked: list[int]) -> None:
         state.answer_keys("m", "default", BS, asked, len(asked), 0.0, 5 * BS, 5)
 
-    ask(first)  # rendered; commits its uncached block to b's rank 1: the book changed
+    ask(first)  # rendered; commits its uncached block to b's rank 1 and claims the prompt there
     assert len(renders) == 1 and scored() == 4 * BS
-    ask(first)  # rendered again (the book changed), committed once already
     changes = affinity.loads.changes
     committed = affinity.loads.token(_url(1), time.monotonic())
-    assert len(renders) == 2 and scored() == 8 * BS
+    ask(first)  # under its claim: rendered, rank 1 holding all five blocks; committed once already
+    assert len(renders) == 2 and scored() == 9 * BS
     ask(first)  # given again: no render, no commit, counted
-    assert len(renders) == 2 and scored() == 12 * BS and affinity.loads.changes == changes
-    ask(second)  # given again, and a new prompt: its commit is made
-    assert len(renders) == 2 and scored() == 16 * BS and affinity.loads.changes == changes + 1
+    assert len(renders) == 2 and scored() == 14 * BS and affinity.loads.changes == changes
+    ask(second)  # a new prompt: rendered (the first's commit changed the book), its commit made
+    assert len(renders) == 3 and scored() == 18 * BS and affinity.loads.changes == changes + 1
     assert affinity.loads.token(_url(1), time.monotonic()) != committed
 
 
