@@ -147,7 +147,7 @@ TARGETS: tuple[Target, ...] = (
     Target("e2e", "motor_scored_hit_fraction", ">=", 1.0, where=(("dispatch", "cache_aware"),)),
     Target("e2e", "hot_over_cold", "<=", 0.3, where=(("dispatch", "cache_aware"),)),
     # The default path (Motor over the adapter's /query answer + the plugin's dispatcher)
-    # on both Mooncake traces and the generated agentic sessions (issue 49's bounds).
+    # on both Mooncake traces and the generated agentic sessions.
     *(
         target
         for workload in (_CONVERSATION, _SYNTHETIC, _AGENTIC)
