@@ -100,20 +100,6 @@ static int text_int(text_t *t, long long v) {
 
 static int text_rank(text_t *t, long long rank) { return rank < 0 ? TEXT_LIT(t, "null") : text_int(t, rank); }
 
-/* The text text_round1 last wrote for a value, by the value's bits: a slot holds the text of
- * exactly its value, so it never goes stale (a value only ever has one text).  An answer
- * repeats most of its figures from the one before it - between two load reports only the
- * rank a commit went to moves - and CPython's correctly rounded formatting of the others is
- * otherwise the text's dearest part.  Bits 0 (+0.0, a whole number) never reach it: an empty
- * slot matches nothing. */
-#define ROUND1_SLOTS_LOG2 6
-typedef struct {
-    uint64_t bits;
-    unsigned char len;
-    char text[31]; /* round(v, 1) of |v| < EXACT_FLOAT_MAX: at most 19 characters */
-} round1_slot;
-static round1_slot round1_texts[1 << ROUND1_SLOTS_LOG2];
-
 /* round(v, 1) as msgspec writes it: CPython's correctly rounded one-decimal form ("%.1f"
  * through PyOS_double_to_string), which is the shortest repr of round(v, 1) below
  * EXACT_FLOAT_MAX (v checked finite and below it by the caller).  A whole number (loads are
@@ -122,23 +108,11 @@ static int text_round1(text_t *t, double v) {
     if (v == trunc(v) && !(v == 0.0 && signbit(v))) { /* a whole number (|v| < 1e15): its digits and ".0" */
         return text_int(t, (long long)v) || TEXT_LIT(t, ".0");
     }
-    uint64_t bits;
-    memcpy(&bits, &v, sizeof bits);
-    round1_slot *slot = &round1_texts[(bits * 0x9E3779B97F4A7C15ULL) >> (64 - ROUND1_SLOTS_LOG2)];
-    if (slot->bits == bits) { /* never 0 here: +0.0 is a whole number */
-        return text_raw(t, slot->text, slot->len);
-    }
     char *text = PyOS_double_to_string(v, 'f', 1, 0, NULL);
     if (text == NULL) {
         return -1;
     }
-    const size_t len = strlen(text);
-    const int status = text_raw(t, text, len);
-    if (len < sizeof slot->text) {
-        memcpy(slot->text, text, len);
-        slot->len = (unsigned char)len;
-        slot->bits = bits;
-    }
+    const int status = text_raw(t, text, strlen(text));
     PyMem_Free(text);
     return status;
 }

@@ -153,9 +153,8 @@ def _loads_answered(values: list[float], native: bool, monkeypatch: pytest.Monke
 def test_a_figure_printed_again_reads_as_printed_first_whatever_came_between(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The renderer keeps the text of the figures it printed last, by value: more distinct
-    values than it keeps, each printed again after others took its place and right after
-    itself, read byte for byte as the reference prints them."""
+    """Loads over many reports - 400 distinct values, each printed again after the others and
+    right after itself - read byte for byte as the reference prints them."""
     rng = random.Random(5)
     values = [rng.uniform(0, 1e6) for _ in range(300)] + [rng.randrange(10**6) + 0.05 for _ in range(100)]
     sequence = values + values[::-1] + [v for v in values for _ in range(2)]
