@@ -172,25 +172,61 @@ def _rank_aware(
                     static, view.params, entry.walk, _hits(entry, affinity, keys), view.cfg.block_size,
                     _cells_of(view, metrics),
                 )  # fmt: skip
-            got = rank_render.render(static, table, book, now, isl, spread)
-            if got:
-                json, best_blocks, until, plan = got
-                rendered = Answer(None, {JSON_TYPE: json})
-                done = entry.last = LastRender(isl, spread, changes, until, best_blocks, rendered, None, table, plan)
-                rank_render.apply(static, table, book, plan, metrics.answer_tally, prompt)
+            done = _rendered(static, table, book, metrics, now, isl, spread, changes, prompt)
+            if done is not None:
+                entry.last = done
                 return done
+    all_hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
+    done = _reference(view, metrics, all_hits, now, isl, spread, changes, prompt)
+    if entry is not None and done is not None:
+        entry.last = done
+    return done
+
+
+def _rendered(
+    static: rank_render.RankStatic,
+    table: rank_render.RankTable,
+    book: RankLoadBook,
+    metrics: AdapterMetrics,
+    now: float,
+    isl: int,
+    spread: int,
+    changes: int,
+    prompt: int,
+) -> Union[LastRender, None]:
+    """``table``'s answer rendered in C, its side effects made; None when the C declines or
+    no instance has fresh loads (the caller answers by the reference)."""
+    got = rank_render.render(static, table, book, now, isl, spread)
+    if not got:
+        return None
+    json, best_blocks, until, plan = got
+    done = LastRender(isl, spread, changes, until, best_blocks, Answer(None, {JSON_TYPE: json}), None, table, plan)
+    rank_render.apply(static, table, book, plan, metrics.answer_tally, prompt)
+    return done
+
+
+def _reference(
+    view: View,
+    metrics: AdapterMetrics,
+    hits: Mapping[str, Mapping[int, TierCounts]],
+    now: float,
+    isl: int,
+    spread: int,
+    changes: int,
+    prompt: int,
+) -> Union[LastRender, None]:
+    """The rank-aware answer of ``hits`` by :func:`answer.rank_answer`, its side effects
+    made; None when no instance has fresh loads."""
+    assert view.affinity is not None
+    book = view.affinity.loads
     tokens, until = book.tokens(view.rank_streams, now)
     fresh = [token is not None for token in tokens]
     if not any(fresh):
         return None
-    all_hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
     ranked = rank_answer(
-        view.tenant, view.plans, view.rank_plans, all_hits, book, fresh, now, isl, spread, view.cfg, view.shape,
-        metrics,
-    )  # fmt: skip
+        view.tenant, view.plans, view.rank_plans, hits, book, fresh, now, isl, spread, view.cfg, view.shape, metrics
+    )
     done = LastRender(isl, spread, changes, until, ranked.tally.best, ranked.answer, _effects(ranked, book, metrics))
-    if entry is not None:
-        entry.last = done
     _redo(view, done, book, metrics, prompt)
     return done
 
@@ -238,26 +274,14 @@ def _claimed(
                     static, view.params, entry.walk, _with_claim(_hits(entry, affinity, keys), held, blocks),
                     view.cfg.block_size, _cells_of(view, metrics),
                 )  # fmt: skip
-            got = rank_render.render(static, table, book, now, isl, spread)
-            if got:
-                json, best_blocks, until, plan = got
-                rendered = Answer(None, {JSON_TYPE: json})
-                done = slot.last = LastRender(isl, spread, changes, until, best_blocks, rendered, None, table, plan)
-                rank_render.apply(static, table, book, plan, metrics.answer_tally, prompt)
+            done = _rendered(static, table, book, metrics, now, isl, spread, changes, prompt)
+            if done is not None:
+                slot.last = done
                 return done
-    tokens, until = book.tokens(view.rank_streams, now)
-    fresh = [token is not None for token in tokens]
-    if not any(fresh):
-        return None
     hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
-    ranked = rank_answer(
-        view.tenant, view.plans, view.rank_plans, _with_claim(hits, held, blocks), book, fresh, now, isl, spread,
-        view.cfg, view.shape, metrics,
-    )  # fmt: skip
-    done = LastRender(isl, spread, changes, until, ranked.tally.best, ranked.answer, _effects(ranked, book, metrics))
-    if slot is not None:
+    done = _reference(view, metrics, _with_claim(hits, held, blocks), now, isl, spread, changes, prompt)
+    if slot is not None and done is not None:
         slot.last = done
-    _redo(view, done, book, metrics, prompt)
     return done
 
 
