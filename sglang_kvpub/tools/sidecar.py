@@ -190,6 +190,19 @@ class Sidecar:
 # --------------------------------------------------------------------------- CLI
 
 
+class _StopRequest:
+    """SIGTERM/SIGINT handler that only sets a flag.
+
+    A handler runs in the main thread between bytecodes, possibly while that thread holds
+    a lock (a ``threading.Event``'s own, inside ``Event.wait``); taking any lock here could
+    then wait on itself forever, so the handler takes none."""
+
+    requested = False
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        self.requested = True
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "fanin",
@@ -245,13 +258,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = _StopRequest()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     sidecar = Sidecar(config, args.dp_size, args.rank_base, args.rank_replay_base)
     try:
         sidecar.start()
@@ -266,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
     )
     interval = args.status_interval if args.status_interval > 0 else None
     next_status = time.monotonic() + (interval or 0)
-    while not stop.wait(0.2):
+    while not stop.requested:
+        time.sleep(0.2)  # the flag is read within 0.2 s of a signal
         if interval and time.monotonic() >= next_status:
             log.info("%s", sidecar.status_line())
             next_status = time.monotonic() + interval
