@@ -23,8 +23,17 @@ if TYPE_CHECKING:
     from motor_adapter.affinity import KvAffinity
     from motor_adapter.settings import ServiceConfig
     from motor_adapter.state import AdapterState
+    from sglang_kvpub.wire import LoadReport
 
-__all__ = ["free_port_block", "free_tcp_endpoint", "free_tcp_port", "offline_adapter", "offline_state", "wait_for"]
+__all__ = [
+    "free_port_block",
+    "free_tcp_endpoint",
+    "free_tcp_port",
+    "load_report",
+    "offline_adapter",
+    "offline_state",
+    "wait_for",
+]
 
 
 def free_tcp_endpoint() -> str:
@@ -66,6 +75,18 @@ def offline_adapter(
     affinity = state.affinity(model, "default", block_size)
     assert affinity is not None
     return state, affinity
+
+
+def load_report(loads: Sequence[float]) -> LoadReport:
+    """A rank-load report as the adapter receives one: rank ``r`` with ``loads[r]`` tokens
+    queued and one request running, through the wire codec both ways."""
+    from sglang_kvpub import wire
+
+    figures = wire.RankLoads([wire.RankLoad(r, v, 1) for r, v in enumerate(loads)], {}, 0.1)
+    codec = wire.LoadReportCodec()
+    report = codec.decode(codec.encode(1.0, figures))
+    assert report is not None
+    return report
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import offline_adapter
+from conftest import load_report, offline_adapter
 
 from motor_adapter import query as query_module
 from motor_adapter import rank_loads as rank_loads_module
@@ -19,14 +19,12 @@ from motor_adapter.rank_loads import RankLoadBook
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import AdapterState
-from sglang_kvpub import wire
 from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.rank_cost import spread_key
 
 BS = 16
 URLS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.2:5557")
 NAMES = ("a", "b")
-CODEC = wire.LoadReportCodec()
 
 
 @pytest.fixture(params=["native", "reference"])
@@ -39,19 +37,12 @@ def native(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
     return request.param == "native"
 
 
-def _report(loads: list[float]) -> wire.LoadReport:
-    figures = wire.RankLoads([wire.RankLoad(r, v, 1) for r, v in enumerate(loads)], {}, 0.1)
-    report = CODEC.decode(CODEC.encode(1.0, figures))
-    assert report is not None
-    return report
-
-
 def _cluster() -> tuple[AdapterState, KvAffinity]:
     """Instances "a" (one idle rank) and "b" (one rank, 10 tokens queued), nothing cached."""
     config = ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS))
     state, affinity = offline_adapter(config, list(zip(NAMES, URLS, strict=True)), BS)
-    affinity.loads.apply(URLS[0], _report([0.0]))
-    affinity.loads.apply(URLS[1], _report([10.0]))
+    affinity.loads.apply(URLS[0], load_report([0.0]))
+    affinity.loads.apply(URLS[1], load_report([10.0]))
     return state, affinity
 
 
@@ -99,10 +90,10 @@ def test_the_claimed_instance_s_next_report_ends_the_claim(native: bool) -> None
     key = sequence_keys(prompt, BS)[-1]
     _ask(state, prompt)
     assert affinity.loads.claim(key, time.monotonic()) is not None
-    affinity.loads.apply(URLS[1], _report([10.0]))  # another instance's report: the claim holds
+    affinity.loads.apply(URLS[1], load_report([10.0]))  # another instance's report: the claim holds
     assert affinity.loads.claim(key, time.monotonic()) is not None
     assert _ask(state, prompt)["a"]["DP"]["0"] == len(prompt)
-    affinity.loads.apply(URLS[0], _report([len(prompt)]))  # "a"'s report: it counts the prefill itself
+    affinity.loads.apply(URLS[0], load_report([len(prompt)]))  # "a"'s report: it counts the prefill itself
     assert affinity.loads.claim(key, time.monotonic()) is None
     again = _ask(state, prompt)
     assert again["a"]["dp_detail"]["0"]["matched_tokens"] == 0 and _picked(again) == "b"
@@ -111,7 +102,7 @@ def test_the_claimed_instance_s_next_report_ends_the_claim(native: bool) -> None
 @pytest.mark.unit
 def test_a_claim_ends_with_its_loads_going_stale_or_forgotten(native: bool) -> None:
     book = RankLoadBook(stale_after_s=5.0)
-    book.apply("a", _report([0.0, 0.0]), now=10.0)
+    book.apply("a", load_report([0.0, 0.0]), now=10.0)
     book.commit("a", 1, 32.0, prompt=7)
     claim = book.claim(7, 10.0)
     assert claim is not None and (claim.instance, claim.rank) == ("a", 1)
@@ -119,7 +110,7 @@ def test_a_claim_ends_with_its_loads_going_stale_or_forgotten(native: bool) -> N
     assert book.claim(8, 10.0) is None
     book.forget("a")
     assert book.claim(7, 10.0) is None
-    book.apply("a", _report([0.0, 0.0]), now=20.0)
+    book.apply("a", load_report([0.0, 0.0]), now=20.0)
     book.commit("a", 9, 32.0, prompt=7)  # a rank the report does not list: nothing committed
     assert book.claim(7, 20.0) is None and book.token("a", 20.0) == (book.live()["a"].version, 0)
 
@@ -128,7 +119,7 @@ def test_a_claim_ends_with_its_loads_going_stale_or_forgotten(native: bool) -> N
 def test_claims_are_bounded(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rank_loads_module, "_CLAIMS_MAX", 4)
     book = RankLoadBook()
-    book.apply("a", _report([0.0]), now=1.0)
+    book.apply("a", load_report([0.0]), now=1.0)
     for prompt in range(10):
         book.commit("a", 0, 16.0, prompt)
         assert len(book.claims) <= 4 and book.claim(prompt, 1.0) is not None
@@ -190,5 +181,5 @@ def test_a_claimed_prompt_asked_again_is_rendered_once_and_committed_once(monkey
     assert affinity.loads.changes == changes and all(a == answers[0] for a in answers)
     text = state.render_metrics()
     assert f'scored_hit_tokens_total{{engine_dp_rank="0",instance="a"}} {5 * len(prompt)}' in text
-    affinity.loads.apply(URLS[1], _report([10.0]))  # another instance's report: rendered again, same claim
+    affinity.loads.apply(URLS[1], load_report([10.0]))  # another instance's report: rendered again, same claim
     assert _ask(state, prompt) == answers[0] and len(renders) == 3

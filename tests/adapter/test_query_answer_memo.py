@@ -7,7 +7,7 @@ import random
 import time
 
 import pytest
-from conftest import offline_adapter
+from conftest import load_report, offline_adapter
 
 from motor_adapter import rank_render
 from motor_adapter.affinity import KvAffinity
@@ -24,19 +24,11 @@ from sglang_kvpub.core.rank_cost import spread_key
 
 BS = 16
 URLS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.2:5557", "tcp://127.0.0.3:5557")
-CODEC = wire.LoadReportCodec()
 
 
 def _state(instances: int = 2) -> tuple[AdapterState, KvAffinity]:
     config = ServiceConfig(kv_affinity=KvAffinityConfig(block_size=BS))
     return offline_adapter(config, [(f"vllm-prefill-{i}", URLS[i]) for i in range(instances)], BS)
-
-
-def _report(loads: list[float]) -> wire.LoadReport:
-    figures = wire.RankLoads([wire.RankLoad(r, v, 1) for r, v in enumerate(loads)], {}, 0.1)
-    report = CODEC.decode(CODEC.encode(1.0, figures))
-    assert report is not None
-    return report
 
 
 def _store(affinity: KvAffinity, url: str, rank: int, prompt: list[int], blocks: int, base: int) -> None:
@@ -75,8 +67,8 @@ def test_a_changed_load_changes_a_remembered_answer() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 8 * BS))
     _store(affinity, URLS[0], 3, prompt, 8, 100)
-    affinity.loads.apply(URLS[0], _report([0.0] * 4))
-    affinity.loads.apply(URLS[1], _report([0.0] * 4))
+    affinity.loads.apply(URLS[0], load_report([0.0] * 4))
+    affinity.loads.apply(URLS[1], load_report([0.0] * 4))
     first = _ask(state, prompt)
     assert first["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] == 3
     assert _ask(state, prompt) is not None  # remembered now
@@ -85,11 +77,11 @@ def test_a_changed_load_changes_a_remembered_answer() -> None:
         assert view.affinity is not None
         walk = view.affinity.best_for_keys(sequence_keys(prompt, BS))
         assert walk is not None and view.cache.entry(walk).table is not None, "the C renderer's table was not kept"
-    affinity.loads.apply(URLS[0], _report([0.0, 0.0, 0.0, 5000.0]))  # the holding rank gets busy
+    affinity.loads.apply(URLS[0], load_report([0.0, 0.0, 0.0, 5000.0]))  # the holding rank gets busy
     busy = _ask(state, prompt)
     assert busy["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] != 3
     assert busy["vllm-prefill-0"]["dp_detail"]["0"]["rank_cost"] == 8 * BS  # an idle cold rank: the whole prompt
-    affinity.loads.apply(URLS[0], _report([0.0] * 4))
+    affinity.loads.apply(URLS[0], load_report([0.0] * 4))
     assert _ask(state, prompt)["vllm-prefill-0"]["dp_detail"]["0"]["scored_rank"] == 3
 
 
@@ -98,8 +90,8 @@ def test_a_changed_holding_changes_a_remembered_answer() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 8 * BS))
     _store(affinity, URLS[0], 1, prompt, 2, 100)
-    affinity.loads.apply(URLS[0], _report([0.0] * 2))
-    affinity.loads.apply(URLS[1], _report([0.0] * 2))
+    affinity.loads.apply(URLS[0], load_report([0.0] * 2))
+    affinity.loads.apply(URLS[1], load_report([0.0] * 2))
     assert _ask(state, prompt)["vllm-prefill-0"]["dp_detail"]["0"]["matched_tokens"] == 2 * BS
     _ask(state, prompt)
     _store(affinity, URLS[1], 0, prompt, 6, 200)  # the other instance now holds more
@@ -108,7 +100,7 @@ def test_a_changed_holding_changes_a_remembered_answer() -> None:
     assert answer["vllm-prefill-1"]["GPU"] > answer["vllm-prefill-0"]["GPU"]  # Motor's 3.0.0b2 picks it
     # That answer claimed the prompt on its rank (it will hold all of it): the instance's next
     # report ends the claim, and the rank's real holding counts again.
-    affinity.loads.apply(URLS[1], _report([0.0] * 2))
+    affinity.loads.apply(URLS[1], load_report([0.0] * 2))
     _remove(affinity, URLS[1], 0, [203, 204, 205])
     assert _ask(state, prompt)["vllm-prefill-1"]["dp_detail"]["0"]["matched_tokens"] == 3 * BS
 
@@ -117,8 +109,8 @@ def test_a_changed_holding_changes_a_remembered_answer() -> None:
 def test_a_repeat_commits_once_and_a_new_prompt_moves_the_next_answer() -> None:
     state, affinity = _state()
     prompt = list(range(1, 1 + 4 * BS))
-    affinity.loads.apply(URLS[0], _report([0.0, 0.0]))
-    affinity.loads.apply(URLS[1], _report([0.0, 0.0]))
+    affinity.loads.apply(URLS[0], load_report([0.0, 0.0]))
+    affinity.loads.apply(URLS[1], load_report([0.0, 0.0]))
     first = _ask(state, prompt)
     tokens = {url: affinity.loads.token(url, time.monotonic()) for url in URLS[:2]}
     again = _ask(state, prompt)  # the same prompt again: committed once, the answer sees its own commit
@@ -136,7 +128,7 @@ def test_a_repeat_commits_once_and_a_new_prompt_moves_the_next_answer() -> None:
 def test_load_tokens_change_with_every_report_commit_and_forget_and_go_stale() -> None:
     book = RankLoadBook(stale_after_s=5.0)
     assert book.token("a", 0.0) is None
-    book.apply("a", _report([1.0, 2.0]), now=10.0)
+    book.apply("a", load_report([1.0, 2.0]), now=10.0)
     first = book.token("a", 10.0)
     assert first is not None and book.token("a", 15.1) is None  # stale
     book.commit("a", 1, 100.0, prompt=7)
@@ -144,7 +136,7 @@ def test_load_tokens_change_with_every_report_commit_and_forget_and_go_stale() -
     assert second != first
     book.commit("a", 1, 100.0, prompt=7)  # the same prompt again: no change
     assert book.token("a", 10.0) == second
-    book.apply("a", _report([1.0, 2.0]), now=11.0)  # the same figures in a new report: a new token
+    book.apply("a", load_report([1.0, 2.0]), now=11.0)  # the same figures in a new report: a new token
     assert book.token("a", 11.0) not in (first, second, None)
     book.forget("a")
     assert book.token("a", 11.0) is None
@@ -174,7 +166,7 @@ def test_remembered_rank_answers_equal_fresh_ones_through_random_changes(seed: i
                 _remove(affinity, url, rank, [hashes.pop(rng.randrange(len(hashes)))])
         elif op < 0.45:
             url = rng.choice(URLS[:2])  # the third instance never reports: scored by its longest hit
-            affinity.loads.apply(url, _report([float(rng.choice((0, 64, 500))) for _ in range(4)]))
+            affinity.loads.apply(url, load_report([float(rng.choice((0, 64, 500))) for _ in range(4)]))
         elif op < 0.47:
             affinity.loads.forget(rng.choice(URLS[:2]))
         elif affinity.loads.reports and any(affinity.loads.get(url) for url in URLS):
@@ -198,7 +190,7 @@ def _replay(seed: int) -> tuple[list[dict], list[str]]:
             prompt = rng.choice(prompts)
             _store(affinity, rng.choice(URLS), rng.randrange(4), prompt, rng.randrange(1, len(prompt) // BS + 1), step)
         if step % 13 == 0:
-            affinity.loads.apply(rng.choice(URLS[:2]), _report([float(rng.choice((0, 64, 500))) for _ in range(4)]))
+            affinity.loads.apply(rng.choice(URLS[:2]), load_report([float(rng.choice((0, 64, 500))) for _ in range(4)]))
         if not affinity.loads.reports:
             continue
         prompt = rng.choice(prompts) if rng.random() < 0.7 else [rng.randrange(50_000) for _ in range(3 * BS)]
@@ -228,8 +220,8 @@ def test_every_instance_hit_is_counted_for_every_remembered_answer() -> None:
     prompt = list(range(1, 1 + 8 * BS))
     _store(affinity, URLS[0], 3, prompt, 8, 100)
     _store(affinity, URLS[1], 1, prompt, 5, 200)
-    affinity.loads.apply(URLS[0], _report([0.0] * 4))
-    affinity.loads.apply(URLS[1], _report([0.0] * 4))
+    affinity.loads.apply(URLS[0], load_report([0.0] * 4))
+    affinity.loads.apply(URLS[1], load_report([0.0] * 4))
     for _ in range(3):  # the first computed, the next two remembered
         _ask(state, prompt)
     text = state.render_metrics()
@@ -245,7 +237,7 @@ def test_loads_going_stale_end_the_rank_aware_answer_though_nothing_else_changed
     prompt = list(range(1, 1 + 4 * BS))
     _store(affinity, URLS[0], 1, prompt, 4, 100)
     affinity.loads.stale_after_s = 0.2
-    affinity.loads.apply(URLS[0], _report([0.0, 0.0]))
+    affinity.loads.apply(URLS[0], load_report([0.0, 0.0]))
     keys = sequence_keys(prompt, BS)
 
     def detail() -> dict:

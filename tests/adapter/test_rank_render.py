@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from conftest import offline_adapter
+from conftest import load_report, offline_adapter
 
 from motor_adapter import query as query_module
 from motor_adapter import rank_render
@@ -27,19 +27,11 @@ from sglang_kvpub.core.hashing import sequence_keys
 from sglang_kvpub.core.rank_cost import spread_key
 
 BS = 16
-CODEC = wire.LoadReportCodec()
 needs_native = pytest.mark.skipif(rank_render.NATIVE is None, reason="the C renderer is not built (or KVPUB_NATIVE=0)")
 
 
 def _url(i: int) -> str:
     return f"tcp://127.0.0.{i + 1}:5557"
-
-
-def _report(loads: list[float]) -> wire.LoadReport:
-    figures = wire.RankLoads([wire.RankLoad(r, v, 1) for r, v in enumerate(loads)], {}, 0.1)
-    report = CODEC.decode(CODEC.encode(1.0, figures))
-    assert report is not None
-    return report
 
 
 def _state(instances: int, cfg: KvAffinityConfig, names: list[str]) -> tuple[AdapterState, KvAffinity]:
@@ -93,7 +85,7 @@ def _scenario(seed: int, native: bool, monkeypatch: pytest.MonkeyPatch) -> tuple
                 edges += (0.25, 0.75, 2.25, 0.125, 0.375, 1e14 + 0.25, 5e-324)
                 choices = (0.0, 0.0, 64.0, 500.0, rng.uniform(0, 1e5), 1e13 + 0.05, rng.choice(edges))
                 loads = [rng.choice(choices) for _ in range(sizes[i])]
-                affinity.loads.apply(_url(i), _report(loads), now=rng.choice((None, 0.0)))  # 0.0: stale at once
+                affinity.loads.apply(_url(i), load_report(loads), now=rng.choice((None, 0.0)))  # 0.0: stale at once
         elif op < 0.37:
             affinity.loads.forget(_url(rng.randrange(count)))
         else:
@@ -142,7 +134,7 @@ def _loads_answered(values: list[float], native: bool, monkeypatch: pytest.Monke
     keys = sequence_keys(prompt, BS)
     out = []
     for value in values:
-        affinity.loads.apply(_url(0), _report([value]))
+        affinity.loads.apply(_url(0), load_report([value]))
         answer = state.answer_keys("m", "default", BS, keys, len(keys), 0.0, len(prompt), 3)
         out.append(answer.encoded.get(JSON_TYPE) or msgspec.json.encode(answer.body))
     return out
@@ -169,8 +161,8 @@ def _b_holds_the_prompt_on_its_busy_rank() -> tuple[AdapterState, KvAffinity, li
     prompt = list(range(1, 1 + 4 * BS))
     stored = wire.BlockStored(list(range(100, 104)), None, prompt, BS, medium="GPU")
     affinity.index.apply_batch(_url(1), wire.EventBatch(0.0, [stored], 1))
-    affinity.loads.apply(_url(0), _report([0.0, 0.0]))
-    affinity.loads.apply(_url(1), _report([0.0, 30.0]))
+    affinity.loads.apply(_url(0), load_report([0.0, 0.0]))
+    affinity.loads.apply(_url(1), load_report([0.0, 30.0]))
     return state, affinity, prompt
 
 
@@ -195,7 +187,7 @@ def test_the_c_renderer_renders_the_rank_aware_answers() -> None:
 def test_a_float_it_cannot_render_exactly_falls_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     state, affinity = _state(1, KvAffinityConfig(block_size=BS), ["a"])
     # The chosen rank's load is past what "%.1f" renders as msgspec does.
-    affinity.loads.apply(_url(0), _report([2e15, 3e15]))
+    affinity.loads.apply(_url(0), load_report([2e15, 3e15]))
     prompt = list(range(1, 1 + 2 * BS))
     keys = sequence_keys(prompt, BS)
     called = []
