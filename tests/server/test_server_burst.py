@@ -44,7 +44,7 @@ def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         made.stop()
 
 
-PREFILL = r"Prefill batch, #new-seq: \d+, #new-token: [1-9]\d{2}"  # a batch computing >= 100 tokens
+PREFILL = r"DP{rank}\] Prefill batch, #new-seq: \d+, #new-token: [1-9]\d{{2}}"  # one rank computing >= 100
 DECISION = r"dp_dispatch policy=cache_aware dp_rank=(\d) reason=(\w+) isl=600 matched=(\d+)"
 
 
@@ -53,10 +53,15 @@ def _decisions(server: sglang_server.Server) -> list[tuple[str, str, str]]:
     return found
 
 
+def _prefills(server: sglang_server.Server, rank: int) -> int:
+    return len(re.findall(PREFILL.format(rank=rank), server.log_text()))
+
+
 def _burst(server: sglang_server.Server, ids: list[int]) -> list[dict[str, Any]]:
-    """``GROUP`` requests of ``ids``: the first, then - once its prefill began (SGLang's
-    ``Prefill batch`` line) - each other as soon as the controller dispatched the one before
-    (its decision line), while the first prefill still runs; their meta_info."""
+    """``GROUP`` requests of ``ids``, each sent as soon as the controller dispatched the one
+    before (its decision line) - or, when the one before computes the prompt on its rank
+    (matched 0), once that rank's prefill began (its ``Prefill batch`` line): a busy host can
+    otherwise leave both in that rank's waiting queue for one step.  Their meta_info."""
     out: list[dict[str, Any] | BaseException] = [RuntimeError("not sent")] * GROUP
     before = len(_decisions(server))
 
@@ -67,14 +72,15 @@ def _burst(server: sglang_server.Server, ids: list[int]) -> list[dict[str, Any]]
             out[i] = exc
 
     threads = [threading.Thread(target=member, args=(i,)) for i in range(GROUP)]
-    batches = len(re.findall(PREFILL, server.log_text()))
     for i, t in enumerate(threads):
+        batches = [_prefills(server, rank) for rank in range(DP)]
         t.start()
         deadline = time.monotonic() + 120.0
         while len(_decisions(server)) < before + i + 1:  # polling the controller's log with a deadline
             assert time.monotonic() < deadline, server.log_tail(30)
             time.sleep(0.02)
-        while i == 0 and len(re.findall(PREFILL, server.log_text())) <= batches:  # the first's prefill began
+        rank, _, matched = _decisions(server)[before + i]
+        while matched == "0" and _prefills(server, int(rank)) <= batches[int(rank)]:  # its prefill began
             assert time.monotonic() < deadline, server.log_tail(30)
             time.sleep(0.02)
     for t in threads:
