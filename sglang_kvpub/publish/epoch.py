@@ -13,6 +13,10 @@ start on that endpoint - in this process or another - goes above it.  Without th
 
 The count wraps every ``2**23 - 1`` seconds (97 days): the first restart after a wrap is
 lower, once.
+
+A record decides nothing once the clock has passed it, a few seconds after its start, so a
+start also removes the directory's records untouched for a day (:data:`STALE_RECORD_S`):
+endpoints that came and went (ephemeral ports, tests) leave no file behind for good.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["EPOCH_LIMIT", "EpochRecord", "start_epoch"]
+__all__ = ["EPOCH_LIMIT", "STALE_RECORD_S", "EpochRecord", "start_epoch"]
 
 log = logging.getLogger(__name__)
 
 EPOCH_LIMIT = 1 << 23
 _HALF = EPOCH_LIMIT >> 1
+STALE_RECORD_S = 86_400.0  # a record older than this is below the clock: removed at a start
 
 
 def _next_above(clock_epoch: int, last: int) -> int:
@@ -82,6 +87,22 @@ class EpochRecord:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             self._warn(exc)
+            return
+        self._remove_stale(time.time() - STALE_RECORD_S)
+
+    def _remove_stale(self, cutoff: float) -> None:
+        """Removes the other ``*.epoch`` records of this directory last written before ``cutoff``."""
+        assert self.path is not None
+        try:
+            entries = list(os.scandir(self.path.parent))
+        except OSError:
+            return
+        for entry in entries:
+            if not entry.name.endswith(".epoch") or entry.name == self.path.name:
+                continue
+            with contextlib.suppress(OSError):  # another start removing it first is fine
+                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
 
     @classmethod
     def _warn(cls, exc: OSError) -> None:

@@ -12,6 +12,7 @@ publishers, a real fan-in, loopback sockets.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from conftest import free_tcp_port
 from sglang_kvpub import wire
 from sglang_kvpub.config import PluginConfig
 from sglang_kvpub.core.hashing import sequence_keys
-from sglang_kvpub.publish.epoch import EPOCH_LIMIT, EpochRecord, start_epoch
+from sglang_kvpub.publish.epoch import EPOCH_LIMIT, STALE_RECORD_S, EpochRecord, start_epoch
 from sglang_kvpub.publish.fanin import FanIn
 from sglang_kvpub.publish.rank_publisher import RankPublisher
 
@@ -67,6 +68,23 @@ def test_an_unreadable_record_is_ignored_with_a_warning(tmp_path: Path, caplog: 
     assert start_epoch(record, now=100.0) == 101
     assert "not an epoch" in caplog.text
     assert record.path.read_text(encoding="ascii") == "101\n"  # replaced by the start's
+
+
+def test_a_start_removes_records_untouched_for_a_day(tmp_path: Path) -> None:
+    """Records of endpoints that came and went do not pile up; a recent one is kept."""
+    old, recent = EpochRecord("tcp://127.0.0.1:5001", tmp_path), EpochRecord("tcp://127.0.0.1:5002", tmp_path)
+    start_epoch(old, now=100.0)
+    start_epoch(recent, now=100.0)
+    assert old.path is not None and recent.path is not None
+    long_ago = time.time() - STALE_RECORD_S - 60.0
+    os.utime(old.path, (long_ago, long_ago))
+    unrelated = tmp_path / "channel.pkt"
+    unrelated.write_text("")
+    os.utime(unrelated, (long_ago, long_ago))
+    starting = EpochRecord("tcp://127.0.0.1:5003", tmp_path)
+    start_epoch(starting, now=100.0)
+    assert starting.path is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["channel.pkt", recent.path.name, starting.path.name])
 
 
 def store(tokens: list[int]) -> wire.BlockStored:
