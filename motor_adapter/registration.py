@@ -25,6 +25,7 @@ from motor_adapter.affinity import compat_endpoints
 __all__ = [
     "HTTP_EVENTS_SCHEME",
     "MEDIUM_ALIASES",
+    "MOTOR_REGISTER_TIMEOUT_S",
     "POOL_EXPLAINED",
     "RegistrationError",
     "Registration",
@@ -33,6 +34,10 @@ __all__ = [
     "parse_unregistration",
     "http_events_stream",
 ]
+
+# Motor's conductor client posts a registration once, when it adds the instance, with this
+# timeout and no retry.
+MOTOR_REGISTER_TIMEOUT_S = 2.0
 
 MEDIUM_ALIASES: dict[str, str] = {
     **dict.fromkeys(("npu", "gpu", "xpu", "hbm", "device"), "npu"),

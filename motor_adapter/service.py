@@ -50,6 +50,7 @@ from motor_adapter.http_query import QueryReader, encoded_answer, parse, wants_m
 from motor_adapter.readiness import readiness
 from motor_adapter.registration import (
     DEFAULT_TENANT,
+    MOTOR_REGISTER_TIMEOUT_S,
     RegistrationError,
     parse_registration,
     parse_unregistration,
@@ -154,9 +155,22 @@ class _Handlers:
             reg = parse_registration(body)
         except RegistrationError as exc:
             raise RequestError(400, "bad_registration", str(exc)) from exc
+        started = time.monotonic()
         async with self._register_lock:  # starting/stopping subscribers joins threads: off the loop
             result = await asyncio.to_thread(self.state.register, reg)
             result = await self.registry.registered(body, reg, result)  # write-through, bounded wait
+        took = time.monotonic() - started
+        if took > MOTOR_REGISTER_TIMEOUT_S:
+            # Motor has given up on this answer and never asks again: say what it now believes.
+            log.warning(
+                "/register of %s dp %d took %.1f s, past Motor's %.0f s timeout: Motor gave up on the answer "
+                "and does not send it again, but it is registered here (GET /workers lists it); if this repeats, "
+                "look at what held the adapter (a registry write, many subscribers starting at once, a busy host)",
+                reg.instance_id,
+                reg.dp_rank,
+                took,
+                MOTOR_REGISTER_TIMEOUT_S,
+            )
         return web.json_response(result)
 
     async def unregister(self, request: web.Request) -> web.Response:

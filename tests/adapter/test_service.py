@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -21,6 +22,7 @@ import pytest
 import zmq
 from aiohttp import web
 
+from motor_adapter import service
 from motor_adapter.scoring import KvAffinityConfig
 from motor_adapter.service import AdapterState, ServiceConfig, build_app
 from sglang_kvpub import wire
@@ -391,6 +393,20 @@ def test_bearer_token_guards_register_and_unregister(make_server: Callable[..., 
     # queries stay open, as Motor sends no token
     status, rsp = http(server.url + "/query", {"model": MODEL, "block_size": BS, "token_ids": [1] * BS})
     assert status == 200 and rsp["default"]["vllm-prefill-0"]["longest_matched"] == 0
+
+
+def test_a_registration_slower_than_motors_timeout_is_logged(
+    make_server: Callable[..., Server], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Motor gives up on a slow ``/register`` and never sends it again: the operator is told the
+    instance is registered anyway.  (The timeout is set to 0 here: every registration is late.)"""
+    server = make_server()
+    monkeypatch.setattr(service, "MOTOR_REGISTER_TIMEOUT_S", 0.0)
+    body = {"instance_id": "vllm-prefill-1", "endpoint": free_tcp_endpoint(), "modelname": MODEL, "block_size": BS}
+    with caplog.at_level(logging.WARNING, logger="motor_adapter.service"):
+        assert http(server.url + "/register", body)[0] == 200
+    assert "/register of vllm-prefill-1 dp 0 took" in caplog.text
+    assert "registered here (GET /workers lists it)" in caplog.text
 
 
 def test_report_scenario_cold_load_balance_then_hot_affinity_on_the_right_rank(
