@@ -15,8 +15,9 @@ from motor_adapter import rank_loads as rank_loads_module
 from motor_adapter import rank_render
 from motor_adapter.affinity import KvAffinity
 from motor_adapter.answer import rank_answer
+from motor_adapter.explain import explain
 from motor_adapter.rank_loads import RankLoadBook
-from motor_adapter.scoring import KvAffinityConfig
+from motor_adapter.scoring import Candidate, KvAffinityConfig
 from motor_adapter.settings import ServiceConfig
 from motor_adapter.state import AdapterState
 from sglang_kvpub.core.hashing import sequence_keys
@@ -81,6 +82,21 @@ def test_the_next_identical_prompt_stays_on_the_claimed_rank(native: bool) -> No
     _ask(state2, prompt)
     affinity2.loads.claims.clear()
     assert _picked(_ask(state2, prompt)) == "b"
+
+
+@pytest.mark.unit
+def test_explain_and_select_look_without_claiming(native: bool) -> None:
+    """A tool that looks at a prompt before sending it asks ``/explain`` (or ``/select``): the
+    prompt is neither committed nor claimed, so Motor's later ``/query`` of it is a clean miss."""
+    state, affinity = _cluster()
+    prompt = list(range(1, 1 + 6 * BS))
+    changes = affinity.loads.changes
+    report = explain(state, "m", "default", BS, prompt)
+    assert report["verdict"] == "miss"
+    state.select("m", "default", BS, [Candidate(name, 0.0) for name in NAMES], prompt)
+    assert affinity.loads.claim(sequence_keys(prompt, BS)[-1], time.monotonic()) is None
+    assert affinity.loads.changes == changes
+    assert _ask(state, prompt)["a"]["dp_detail"]["0"]["matched_tokens"] == 0
 
 
 @pytest.mark.unit
