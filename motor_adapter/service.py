@@ -161,7 +161,7 @@ class _Handlers:
             result = await self.registry.registered(body, reg, result)  # write-through, bounded wait
         took = time.monotonic() - started
         if took > MOTOR_REGISTER_TIMEOUT_S:
-            # Motor has given up on this answer and never asks again: say what it now believes.
+            # Motor timed out on this answer and never sends it again: its log says failed, ours why.
             log.warning(
                 "/register of %s dp %d took %.1f s, past Motor's %.0f s timeout: Motor gave up on the answer "
                 "and does not send it again, but it is registered here (GET /workers lists it); if this repeats, "

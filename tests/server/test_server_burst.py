@@ -3,7 +3,8 @@ identical long prompts - a GRPO group, each member sent while the first is still
 prefilled: each rank that serves the group computes the prompt once and the others wait for it
 (docs/dispatch.md, "Pending prefixes"), counted from SGLang's own ``cached_tokens`` (its
 ``#cached-token``).  Members that reach one rank in the same scheduler step are prefilled side
-by side by SGLang (any schedule policy), so each is sent once the one before was dispatched."""
+by side by SGLang (any schedule policy), so each is sent once the one before was dispatched
+and, when that one computes the prompt, once its rank's prefill began."""
 
 from __future__ import annotations
 
