@@ -89,6 +89,27 @@ def load_report(loads: Sequence[float]) -> LoadReport:
     return report
 
 
+@pytest.fixture
+def native_renders(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per answer the C renderer renders from here on (``rank_render.NATIVE`` behind
+    a counting stand-in); the test is skipped where the renderer is not built."""
+    from motor_adapter import rank_render
+
+    native = rank_render.NATIVE
+    if native is None:
+        pytest.skip("the C renderer is not built (or KVPUB_NATIVE=0)")
+    renders: list[int] = []
+
+    class Counting:
+        @staticmethod
+        def rank_answer(*args: Any) -> Any:
+            renders.append(1)
+            return native.rank_answer(*args)
+
+    monkeypatch.setattr(rank_render, "NATIVE", Counting)
+    return renders
+
+
 @pytest.fixture(autouse=True, scope="session")
 def private_state_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """``motor-kv-adapter serve`` keeps registrations under ``$XDG_STATE_HOME`` by default: every

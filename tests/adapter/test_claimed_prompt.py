@@ -175,19 +175,8 @@ def test_a_distinct_prompt_is_answered_as_without_claims(native: bool) -> None:
 
 
 @pytest.mark.unit
-def test_a_claimed_prompt_asked_again_is_rendered_once_and_committed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    if rank_render.NATIVE is None:
-        pytest.skip("the C renderer is not built (or KVPUB_NATIVE=0)")
-    renders: list[int] = []
-    real = rank_render.NATIVE.rank_answer
-
-    class Spy:
-        @staticmethod
-        def rank_answer(*args: Any) -> Any:
-            renders.append(1)
-            return real(*args)
-
-    monkeypatch.setattr(rank_render, "NATIVE", Spy)
+def test_a_claimed_prompt_asked_again_is_rendered_once_and_committed_once(native_renders: list[int]) -> None:
+    renders = native_renders
     state, affinity = _cluster()
     prompt = list(range(1, 1 + 6 * BS))
     _ask(state, prompt)  # rendered, committed: claimed

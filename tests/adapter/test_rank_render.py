@@ -215,24 +215,14 @@ def test_the_c_renderer_is_built_where_ci_requires_it() -> None:
         assert rank_render.NATIVE is not None, "KVPUB_REQUIRE_NATIVE=1 but motor_adapter._answer did not build"
 
 
-@needs_native
 @pytest.mark.unit
-def test_an_answer_given_again_counts_again_and_a_new_prompt_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_answer_given_again_counts_again_and_a_new_prompt_commits(native_renders: list[int]) -> None:
     """A prompt asked again is answered under its claim: rendered once (its rank holding the
     whole prompt), then given again without rendering (same walk result, length and
     tie-break key, no change in the book) and still counted; a new prompt of the same walk
     ends is rendered and commits (then the book has changed)."""
+    renders = native_renders
     state, affinity, prompt = _b_holds_the_prompt_on_its_busy_rank()
-    renders: list[int] = []
-    real = rank_render.NATIVE.rank_answer
-
-    class Spy:
-        @staticmethod
-        def rank_answer(*args: Any) -> Any:
-            renders.append(1)
-            return real(*args)
-
-    monkeypatch.setattr(rank_render, "NATIVE", Spy)
     # Two prompts whose fifth block no one holds: the same walk result, length and key.
     first = sequence_keys([*prompt, *range(900, 900 + BS)], BS)
     second = sequence_keys([*prompt, *range(950, 950 + BS)], BS)
