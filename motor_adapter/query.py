@@ -164,23 +164,55 @@ def _rank_aware(
         if last is not None and last.holds(isl, spread, changes, now):
             _redo(view, last, book, metrics, prompt)
             return last
-        static = view.rank_static
-        if static is not None:
-            table = entry.table
-            if table is None:  # the per-rank hits of these walk ends: one walk more when they first appear
-                table = entry.table = rank_render.RankTable(
-                    static, view.params, entry.walk, _hits(entry, affinity, keys), view.cfg.block_size,
-                    _cells_of(view, metrics),
-                )  # fmt: skip
-            done = _rendered(static, table, book, metrics, now, isl, spread, changes, prompt)
-            if done is not None:
-                entry.last = done
-                return done
-    all_hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
-    done = _reference(view, metrics, all_hits, now, isl, spread, changes, prompt)
-    if entry is not None and done is not None:
-        entry.last = done
+    return _answered(view, metrics, entry, entry, None, keys, isl, spread, changes, now, prompt)
+
+
+def _answered(
+    view: View,
+    metrics: AdapterMetrics,
+    entry: Union[WalkEntry, None],
+    kept: Union[WalkEntry, ClaimedSlot, None],
+    held: Union[Claim, None],
+    keys: list[int],
+    isl: int,
+    spread: int,
+    changes: int,
+    now: float,
+    prompt: int,
+) -> Union[LastRender, None]:
+    """The rank-aware answer of the walk's hits - with ``held``'s rank holding the whole
+    prompt when claimed - rendered in C from ``kept.table`` (built on first use) when the
+    view renders there, else by the reference; kept as ``kept.last``.  ``kept``: where the
+    table and last answer live (the walk result's entry, or a claimed prompt's slot in it;
+    None when nothing is kept, as ``entry``)."""
+    affinity = view.affinity
+    assert affinity is not None
+    book = affinity.loads
+    static = view.rank_static
+    if entry is not None and kept is not None and static is not None:
+        table = kept.table
+        if table is None:  # the per-rank hits of these walk ends: one walk more when they first appear
+            table = kept.table = rank_render.RankTable(
+                static, view.params, entry.walk, _walk_hits(entry, affinity, keys, held), view.cfg.block_size,
+                _cells_of(view, metrics),
+            )  # fmt: skip
+        done = _rendered(static, table, book, metrics, now, isl, spread, changes, prompt)
+        if done is not None:
+            kept.last = done
+            return done
+    done = _reference(view, metrics, _walk_hits(entry, affinity, keys, held), now, isl, spread, changes, prompt)
+    if kept is not None and done is not None:
+        kept.last = done
     return done
+
+
+def _walk_hits(
+    entry: Union[WalkEntry, None], affinity: KvAffinity, keys: list[int], held: Union[Claim, None]
+) -> Mapping[str, Mapping[int, TierCounts]]:
+    """The walk's per-rank hits (kept in ``entry`` when there is one), with ``held``'s rank
+    holding every block of the prompt when it is claimed."""
+    hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
+    return hits if held is None else _with_claim(hits, held, len(keys))
 
 
 def _rendered(
@@ -250,12 +282,10 @@ def _claimed(
     rendered as an unclaimed prompt is, per prompt in the walk result's entry (``slot``, its
     :class:`ClaimedSlot` there if any).  None when the claim no longer holds (or no instance
     has fresh loads): answer the prompt as unclaimed."""
-    affinity = view.affinity
-    assert affinity is not None
-    book = affinity.loads
-    if not keys or book.claim(prompt, now) is not held:
+    assert view.affinity is not None
+    # The last key is chained over every block: the claim covers len(keys) blocks.
+    if not keys or view.affinity.loads.claim(prompt, now) is not held:
         return None
-    blocks = len(keys)  # the last key is chained over every block: it fixes their number
     if entry is not None:
         if slot is None or slot.claim.instance != held.instance or slot.claim.rank != held.rank:
             slots = entry.claimed
@@ -266,23 +296,7 @@ def _claimed(
             slot = slots[prompt] = ClaimedSlot(held)
         else:
             slot.claim = held  # the same rank under a later report: the table still holds
-        static = view.rank_static
-        if static is not None:
-            table = slot.table
-            if table is None:
-                table = slot.table = rank_render.RankTable(
-                    static, view.params, entry.walk, _with_claim(_hits(entry, affinity, keys), held, blocks),
-                    view.cfg.block_size, _cells_of(view, metrics),
-                )  # fmt: skip
-            done = _rendered(static, table, book, metrics, now, isl, spread, changes, prompt)
-            if done is not None:
-                slot.last = done
-                return done
-    hits = _hits(entry, affinity, keys) if entry is not None else affinity.hits_for_keys(keys)
-    done = _reference(view, metrics, _with_claim(hits, held, blocks), now, isl, spread, changes, prompt)
-    if slot is not None and done is not None:
-        slot.last = done
-    return done
+    return _answered(view, metrics, entry, slot, held, keys, isl, spread, changes, now, prompt)
 
 
 def claimed_hits(
